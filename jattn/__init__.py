@@ -1,0 +1,46 @@
+"""jattn: causal and multi-head attention for JAX, as pure functions and Flax modules.
+
+The pure core lives at the top level (masks and functional attention); the Flax
+modules are the submodules ``jattn.linen`` and ``jattn.nnx``.
+"""
+
+from jattn import causality, masks
+from jattn.functional import (
+    dot_product_attention,
+    dot_product_attention_weights,
+    dropout,
+    simplified_self_attention,
+    simplified_self_attention_loop,
+)
+from jattn.masks import (
+    causal_mask,
+    combine_masks,
+    large_negative,
+    lengths_to_valid,
+    mask_to_bias,
+    padding_mask,
+    padding_mask_from_lengths,
+    segment_mask,
+    sliding_window_mask,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "causal_mask",
+    "causality",
+    "combine_masks",
+    "dot_product_attention",
+    "dot_product_attention_weights",
+    "dropout",
+    "large_negative",
+    "lengths_to_valid",
+    "mask_to_bias",
+    "masks",
+    "padding_mask",
+    "padding_mask_from_lengths",
+    "segment_mask",
+    "simplified_self_attention",
+    "simplified_self_attention_loop",
+    "sliding_window_mask",
+]

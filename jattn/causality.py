@@ -1,0 +1,121 @@
+"""Probes that measure whether a sequence function's outputs depend on future inputs.
+
+``dependence_matrix(fn, x)[i, j]`` is the largest effect of input position ``j`` on
+output position ``i``, measured either
+
+* by gradient: ``max |d fn(x)[..., i, :] / d x[..., j, :]|`` over every other axis
+  (an exact zero means no dependence at all, not merely a small one), or
+* by perturbation: change input position ``j`` only (Gaussian noise for float inputs,
+  another token for integer inputs) and take ``max |fn(x') - fn(x)|`` at output ``i``.
+
+A causal function has ``D[i, j] == 0`` for every ``j > i``; :func:`future_leak` is the
+largest of those entries. The tests and ``train_toy.py`` use these probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["dependence_matrix", "future_leak", "is_causal"]
+
+
+def _reduce_to(arr: jnp.ndarray, keep: tuple[int, int]) -> jnp.ndarray:
+    """Max of |arr| over every axis except the two in ``keep`` (kept in that order)."""
+    arr = jnp.moveaxis(jnp.abs(arr), keep, (0, 1))
+    return arr.reshape(arr.shape[0], arr.shape[1], -1).max(axis=-1)
+
+
+def _default_perturb(x, j, key, vocab_size):
+    """Input ``x`` (positions on axis 0) with position ``j`` changed."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        if vocab_size is None:
+            raise ValueError(
+                "integer (token) inputs need vocab_size= to draw replacement tokens, or a "
+                "custom perturb=(x, j) -> x' function."
+            )
+        # A shift in [1, vocab_size) guarantees a *different* token at every element.
+        shift = jax.random.randint(key, x.shape[1:], 1, vocab_size, dtype=x.dtype)
+        return x.at[j].set((x[j] + shift) % vocab_size)
+    noise = jax.random.normal(key, x.shape[1:], x.dtype)
+    return x.at[j].add(noise)
+
+
+def dependence_matrix(
+    fn: Callable[[jax.Array], jax.Array],
+    x,
+    *,
+    method: Literal["gradient", "perturbation"] = "gradient",
+    in_axis: int = -2,
+    out_axis: int = -2,
+    key: jax.Array | None = None,
+    vocab_size: int | None = None,
+    perturb: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+) -> np.ndarray:
+    """Measures how much each output position depends on each input position.
+
+    Args:
+      fn: a JAX function of one array, e.g. ``lambda x: module.apply(params, x)``.
+      x: its input; the sequence runs along ``in_axis`` (``[batch..., T, d]`` by default;
+        use ``in_axis=-1`` for token ids ``[batch..., T]``).
+      method: ``'gradient'`` (float inputs only) or ``'perturbation'``.
+      in_axis: the sequence axis of ``x``.
+      out_axis: the sequence axis of ``fn(x)``.
+      key: random key for the perturbations; default ``jax.random.key(0)``.
+      vocab_size: for integer inputs with the default perturbation: tokens are in
+        ``[0, vocab_size)``.
+      perturb: optional ``perturb(x_moved, j) -> x_moved'`` changing position ``j`` of an
+        input whose sequence axis has been moved to the front.
+
+    Returns:
+      numpy ``[T_out, T_in]``: ``D[i, j]`` is the effect of input ``j`` on output ``i``.
+    """
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError("x must have a sequence axis, got a scalar.")
+    if method == "gradient":
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"method='gradient' needs a float input, got {x.dtype}; use "
+                "method='perturbation' (with vocab_size=) for token ids."
+            )
+        y = fn(x)
+        jac = jax.jacrev(fn)(x)  # y.shape + x.shape
+        out_ax = out_axis % y.ndim
+        in_ax = y.ndim + (in_axis % x.ndim)
+        return np.asarray(_reduce_to(jac, (out_ax, in_ax)))
+    if method != "perturbation":
+        raise ValueError(f"method must be 'gradient' or 'perturbation', got {method!r}.")
+
+    key = jax.random.key(0) if key is None else key
+    base = fn(x)
+    xs = jnp.moveaxis(x, in_axis, 0)  # [T_in, ...]
+    t_in = xs.shape[0]
+    change = perturb or (lambda xm, j: _default_perturb(xm, j, jax.random.fold_in(key, j), vocab_size))
+
+    def column(j):
+        y = fn(jnp.moveaxis(change(xs, j), 0, in_axis))
+        diff = jnp.moveaxis(jnp.abs(y - base), out_axis, 0)
+        return diff.reshape(diff.shape[0], -1).max(axis=-1)  # [T_out]
+
+    cols = jax.lax.map(column, jnp.arange(t_in))  # [T_in, T_out]
+    return np.asarray(cols.T)
+
+
+def future_leak(fn, x, **kwargs) -> float:
+    """Largest effect of a *future* input on an output: ``max_{j > i} D[i, j]``.
+
+    Exactly ``0.0`` for a causal function. Takes :func:`dependence_matrix`'s arguments.
+    """
+    dep = dependence_matrix(fn, x, **kwargs)
+    upper = np.triu(np.ones(dep.shape, dtype=bool), k=1)
+    return float(dep[upper].max()) if upper.any() else 0.0
+
+
+def is_causal(fn, x, *, atol: float = 0.0, **kwargs) -> bool:
+    """True when no output depends on a future input (``future_leak <= atol``)."""
+    return future_leak(fn, x, **kwargs) <= atol
