@@ -1,0 +1,255 @@
+"""What the Linen and NNX modules share: argument checks, head reshapes, the one call into the core.
+
+``jattn.linen`` and ``jattn.nnx`` hold parameters and projections only; every step that
+does not depend on the Flax API lives here once, so the two APIs cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jattn import functional
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------
+# Construction-time checks
+# ----------------------------------------------------------------------------------------
+
+
+def _check_positive_int(value, name: str, cls_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{cls_name}: {name} must be an int, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{cls_name}: {name} must be >= 1, got {value}.")
+    return int(value)
+
+
+def check_dropout(dropout, cls_name: str) -> float:
+    """Validates a dropout rate: a number in [0, 1) (the probability of *dropping*)."""
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+        raise TypeError(f"{cls_name}: dropout must be a float in [0, 1), got {dropout!r}.")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(
+            f"{cls_name}: dropout must be in [0, 1), got {dropout}. It is the probability of "
+            "dropping an attention weight (0.0 = no dropout); use deterministic=True to switch "
+            "dropout off at inference."
+        )
+    return float(dropout)
+
+
+def check_config(
+    cls_name: str,
+    *,
+    d_out,
+    context_length=None,
+    dropout=0.0,
+    num_heads=1,
+    num_kv_heads=None,
+) -> int:
+    """Validates the book's constructor arguments; returns the number of key/value heads.
+
+    Raises:
+      TypeError: a size that is not an int, a dropout that is not a number.
+      ValueError: a size < 1, ``d_out % num_heads != 0``, ``num_heads % num_kv_heads != 0``,
+        a dropout rate outside [0, 1).
+    """
+    d_out = _check_positive_int(d_out, "d_out", cls_name)
+    num_heads = _check_positive_int(num_heads, "num_heads", cls_name)
+    if context_length is not None:
+        _check_positive_int(context_length, "context_length", cls_name)
+    check_dropout(dropout, cls_name)
+    if d_out % num_heads:
+        raise ValueError(
+            f"{cls_name}: d_out ({d_out}) must be divisible by num_heads ({num_heads}): each "
+            f"head gets d_out // num_heads features. Pick d_out a multiple of num_heads."
+        )
+    if num_kv_heads is None:
+        return num_heads
+    num_kv_heads = _check_positive_int(num_kv_heads, "num_kv_heads", cls_name)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{cls_name}: num_heads ({num_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads}): each key/value head serves num_heads // num_kv_heads query heads."
+        )
+    return num_kv_heads
+
+
+# ----------------------------------------------------------------------------------------
+# Call-time checks
+# ----------------------------------------------------------------------------------------
+
+
+def check_tokens(x, cls_name: str, *, context_length: int | None = None, d_in: int | None = None):
+    """Validates module inputs ``x [batch..., num_tokens, d_in]`` and returns them as an array.
+
+    Raises:
+      TypeError: a non-float input (token ids must be embedded first).
+      ValueError: rank < 2, more tokens than ``context_length``, a last axis other than ``d_in``.
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{cls_name}: x must be a float array [batch..., num_tokens, d_in], got dtype "
+            f"{x.dtype}. Token ids must go through an embedding first."
+        )
+    if x.ndim < 2:
+        raise ValueError(
+            f"{cls_name}: x must have shape [batch..., num_tokens, d_in] (rank >= 2), got shape "
+            f"{x.shape}."
+        )
+    num_tokens = x.shape[-2]
+    if context_length is not None and num_tokens > context_length:
+        raise ValueError(
+            f"{cls_name}: x has {num_tokens} tokens (axis -2 of shape {x.shape}) but "
+            f"context_length is {context_length}. Truncate the input to the last "
+            f"{context_length} tokens or build the module with a larger context_length."
+        )
+    if d_in is not None and x.shape[-1] != d_in:
+        raise ValueError(
+            f"{cls_name}: x must have d_in = {d_in} features on its last axis, got shape {x.shape}."
+        )
+    return x
+
+
+def resolve_deterministic(call, attribute, dropout: float, cls_name: str) -> bool:
+    """The ``deterministic`` a call runs with: the call argument if given, else the attribute.
+
+    A module whose dropout rate is 0 never needs it (it behaves the same either way).
+
+    Raises:
+      ValueError: dropout > 0 and ``deterministic`` given neither at the call nor as attribute.
+    """
+    if call is not None:
+        return bool(call)
+    if attribute is not None:
+        return bool(attribute)
+    if dropout == 0.0:
+        return True
+    raise ValueError(
+        f"{cls_name} has dropout={dropout} but no `deterministic` was given. Pass "
+        "deterministic=False (training, dropout on) or deterministic=True (inference) to the "
+        "call or to the constructor (NNX modules: also .train() / .eval())."
+    )
+
+
+def missing_key_error(cls_name: str, api: str) -> ValueError:
+    """The error for a training call with dropout active and no random key anywhere."""
+    if api == "linen":
+        ways = (
+            "pass `rngs={'dropout': key}` to `module.apply(...)` (or to `init`), or pass "
+            "`dropout_rng=key` to the call"
+        )
+    else:
+        ways = (
+            "pass `rngs=nnx.Rngs(dropout=seed)` (or any nnx.Rngs) to the constructor so the "
+            "module keeps a dropout stream, or pass `rngs=` (an nnx.Rngs, RngStream or key) to "
+            "the call"
+        )
+    return ValueError(
+        f"{cls_name}: dropout is active (rate > 0, deterministic=False) but no random key was "
+        f"given. Either {ways}; or run deterministically (deterministic=True"
+        + (", or .eval()" if api == "nnx" else "")
+        + ")."
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Computation
+# ----------------------------------------------------------------------------------------
+
+
+def project_raw(x: Array, kernel: Array, *, dtype, precision) -> Array:
+    """``x @ kernel`` for the book's raw weight matrices (SelfAttention_v1), as flax's Dense does.
+
+    Args:
+      x: ``[batch..., T, d_in]``.
+      kernel: ``[d_in, d_out]``.
+      dtype: computation dtype, or None for the promoted dtype of ``x`` and ``kernel``.
+      precision: ``jax.lax.Precision`` of the matmul.
+
+    Returns:
+      ``[batch..., T, d_out]``.
+    """
+    dtype = dtype or jnp.result_type(x, kernel)
+    # [batch..., T, d_in] x [d_in, d_out] -> [batch..., T, d_out]
+    return jnp.einsum("...ti,io->...to", x.astype(dtype), kernel.astype(dtype), precision=precision)
+
+
+def split_heads(x: Array, num_heads: int) -> Array:
+    """``[batch..., T, num_heads * head_dim]`` -> ``[batch..., T, num_heads, head_dim]``.
+
+    Head ``h`` holds features ``h * head_dim ... (h + 1) * head_dim - 1``, as the book's
+    ``view(b, num_tokens, num_heads, head_dim)``.
+    """
+    return x.reshape(*x.shape[:-1], num_heads, x.shape[-1] // num_heads)
+
+
+def merge_heads(x: Array) -> Array:
+    """``[batch..., T, num_heads, head_dim]`` -> ``[batch..., T, num_heads * head_dim]``."""
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def attend(
+    queries: Array,
+    keys: Array,
+    values: Array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool,
+    mask,
+    dropout: float,
+    dropout_rng,
+    deterministic: bool,
+    broadcast_dropout: Any,
+    dtype: Any,
+    precision: Any,
+    module: Any,
+    return_weights: bool,
+):
+    """Projected features in, attended features out: the modules' one call into the core.
+
+    Args:
+      queries: ``[batch..., T, num_heads * head_dim]``.
+      keys: ``[batch..., T, num_kv_heads * head_dim]``.
+      values: ``[batch..., T, num_kv_heads * head_dim]``.
+      num_heads, num_kv_heads: head counts (1 and 1 for the single-head classes).
+      causal: AND the causal mask (token i sees tokens j <= i).
+      mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``.
+      dropout, dropout_rng, deterministic, broadcast_dropout: dropout on the weights.
+      dtype, precision: as in :func:`jattn.functional.dot_product_attention`.
+      module: a module to sow ``attention_weights`` into, or None.
+      return_weights: also return the weights ``[batch..., num_heads, T, T]``.
+
+    Returns:
+      Context ``[batch..., T, num_heads * head_dim]`` (and the weights if asked).
+    """
+    # [batch..., T, H, D] and [batch..., T, K, D]
+    q = split_heads(queries, num_heads)
+    k = split_heads(keys, num_kv_heads)
+    v = split_heads(values, num_kv_heads)
+    out = functional.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=causal,
+        dropout_rate=dropout,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+        broadcast_dropout=broadcast_dropout,
+        dtype=dtype,
+        precision=precision,
+        module=module,
+        return_weights=return_weights,
+    )
+    if return_weights:
+        context, weights = out
+        return merge_heads(context), weights
+    return merge_heads(out)

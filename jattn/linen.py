@@ -1,0 +1,475 @@
+"""Flax Linen modules for every attention form of chapter 3, with the book's names.
+
+=========================  ===================================  =============================
+book (PyTorch)             ``jattn.linen``                      parameters
+=========================  ===================================  =============================
+``SelfAttention_v1``       ``SelfAttentionV1(d_out)``           ``W_query, W_key, W_value``
+                                                                (raw ``[d_in, d_out]``)
+``SelfAttention_v2``       ``SelfAttentionV2(d_out, qkv_bias)`` ``W_query/W_key/W_value``
+                                                                ``{kernel, bias?}``
+``CausalAttention``        ``CausalAttention(d_out,             as V2
+                           context_length, dropout, qkv_bias)``
+``MultiHeadAttention-      ``MultiHeadAttentionWrapper(d_out,   ``heads_{i}/W_query/...``
+Wrapper``                  context_length, dropout, num_heads,
+                           qkv_bias)``
+``MultiHeadAttention``     ``MultiHeadAttention(d_out,          ``W_query, W_key, W_value,``
+                           context_length, dropout, num_heads,  ``out_proj`` ``{kernel, bias}``
+                           qkv_bias)``
+=========================  ===================================  =============================
+
+``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
+the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
+:func:`jattn.convert.from_torch_state_dict` does the mapping.
+
+Conventions shared by every class:
+
+* Inputs ``x [batch..., num_tokens, d_in]`` with any number of batch dims (none included);
+  more tokens than ``context_length`` is a ValueError.
+* ``deterministic``: the call argument wins over the attribute (unlike
+  ``flax.linen.merge_param``, giving both is allowed, so a module built for training can be
+  evaluated with ``deterministic=True``). A module with ``dropout == 0`` needs neither; with
+  ``dropout > 0`` and neither given, the call raises a ValueError.
+* Dropout key: the ``dropout_rng=`` call argument if given, else ``self.make_rng('dropout')``
+  from ``module.apply(..., rngs={'dropout': key})`` (flax folds the module path in, so each
+  head of the wrapper gets its own key). Active dropout with neither raises a ValueError.
+  Dropout zeroes attention *weights* independently per example and head (as the book's
+  ``nn.Dropout``); ``broadcast_dropout=True`` shares one mask (flax's default).
+* Attention weights ``[batch..., num_heads, T, T]`` (``num_heads = 1`` for the single-head
+  classes), taken before dropout: returned with ``return_weights=True`` (the call returns
+  ``(output, weights)``) or sown into ``intermediates/attention_weights`` with
+  ``sow_weights=True`` (``apply(..., mutable=['intermediates'])``).
+* ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask,
+  giving a "leaky" model whose outputs depend on future tokens; the training demo uses it
+  to show what the mask prevents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jattn import _module_utils as mu
+
+__all__ = [
+    "CausalAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttentionV1",
+    "SelfAttentionV2",
+]
+
+Array = jax.Array
+Initializer = Any
+
+# Flax's defaults for Dense layers (the book's PyTorch nn.Linear uses a uniform init; load
+# book weights with jattn.convert.from_torch_state_dict rather than matching initializers).
+default_kernel_init = nn.initializers.lecun_normal()
+default_bias_init = nn.initializers.zeros_init()
+
+
+class _Projections(nn.Module):
+    """Keyword-only attributes of every class: numerics and initializers."""
+
+    _: dataclasses.KW_ONLY
+    dtype: Any = None
+    """Computation dtype; None: inferred from the inputs and parameters."""
+    param_dtype: Any = jnp.float32
+    """Dtype of the parameters."""
+    precision: Any = None
+    """``jax.lax.Precision`` for the projections and the attention einsums."""
+    kernel_init: Initializer = default_kernel_init
+    """Initializer of every kernel (``[d_in, d_out]``)."""
+    bias_init: Initializer = default_bias_init
+    """Initializer of every bias."""
+
+    def _dense(self, features: int, name: str, use_bias: bool) -> nn.Dense:
+        return nn.Dense(
+            features,
+            use_bias=use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+            name=name,
+        )
+
+    def _qkv(self, x: Array, q_features: int, kv_features: int, use_bias: bool):
+        """The three projections ``W_query, W_key, W_value`` of ``x [batch..., T, d_in]``."""
+        queries = self._dense(q_features, "W_query", use_bias)(x)  # [batch..., T, q_features]
+        keys = self._dense(kv_features, "W_key", use_bias)(x)  # [batch..., T, kv_features]
+        values = self._dense(kv_features, "W_value", use_bias)(x)  # [batch..., T, kv_features]
+        return queries, keys, values
+
+
+class _Dropout(_Projections):
+    """Keyword-only attributes of the classes with a causal mask and dropout."""
+
+    _: dataclasses.KW_ONLY
+    causal: bool = True
+    """jattn extension: False drops the causal mask (a "leaky" model, for demonstrations)."""
+    deterministic: bool | None = None
+    """True: no dropout (inference). The call argument wins over this attribute."""
+    broadcast_dropout: bool | str = False
+    """Axes sharing one dropout mask: False (independent, as the book), True, 'batch', 'heads'."""
+
+    def _dropout_setup(self, deterministic, dropout_rng) -> tuple[bool, Array | None]:
+        """``(deterministic, key)`` for this call; raises when dropout is active without a key."""
+        name = type(self).__name__
+        deterministic = mu.resolve_deterministic(
+            deterministic, self.deterministic, self.dropout, name
+        )
+        if deterministic or self.dropout == 0.0:
+            return True, None
+        if dropout_rng is None:
+            if not self.has_rng("dropout"):
+                raise mu.missing_key_error(name, "linen")
+            dropout_rng = self.make_rng("dropout")
+        return False, dropout_rng
+
+
+class SelfAttentionV1(_Projections):
+    """The book's ``SelfAttention_v1``: raw weight matrices, no mask, no dropout.
+
+    ``softmax(q kᵀ / sqrt(d_out)) v`` with ``q = x @ W_query`` etc.
+
+    Attributes:
+      d_out: width of queries, keys, values and the output.
+      kernel_init: default ``uniform(1.0)``, i.e. U[0, 1) as the book's ``torch.rand``.
+    """
+
+    d_out: int
+    _: dataclasses.KW_ONLY
+    kernel_init: Initializer = nn.initializers.uniform(1.0)
+
+    def __post_init__(self):
+        mu.check_config(type(self).__name__, d_out=self.d_out)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
+        """Self-attention of ``x [batch..., T, d_in]``.
+
+        Returns:
+          ``[batch..., T, d_out]``; with ``return_weights`` also ``[batch..., 1, T, T]``.
+        """
+        x = mu.check_tokens(x, type(self).__name__)
+        d_in = x.shape[-1]
+        shape = (d_in, self.d_out)
+        # [batch..., T, d_out] each
+        queries, keys, values = (
+            mu.project_raw(
+                x,
+                self.param(name, self.kernel_init, shape, self.param_dtype),
+                dtype=self.dtype,
+                precision=self.precision,
+            )
+            for name in ("W_query", "W_key", "W_value")
+        )
+        return self._attend(queries, keys, values, return_weights, sow_weights)
+
+    def _attend(self, queries, keys, values, return_weights, sow_weights):
+        return mu.attend(
+            queries,
+            keys,
+            values,
+            num_heads=1,
+            num_kv_heads=1,
+            causal=False,
+            mask=None,
+            dropout=0.0,
+            dropout_rng=None,
+            deterministic=True,
+            broadcast_dropout=False,
+            dtype=self.dtype,
+            precision=self.precision,
+            module=self if sow_weights else None,
+            return_weights=return_weights,
+        )
+
+
+class SelfAttentionV2(SelfAttentionV1):
+    """The book's ``SelfAttention_v2``: ``V1`` with Dense projections (optional bias).
+
+    Attributes:
+      d_out: width of queries, keys, values and the output.
+      qkv_bias: add a bias to the three projections.
+    """
+
+    qkv_bias: bool = False
+    _: dataclasses.KW_ONLY
+    kernel_init: Initializer = default_kernel_init
+
+    @nn.compact
+    def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
+        """Self-attention of ``x [batch..., T, d_in]``.
+
+        Returns:
+          ``[batch..., T, d_out]``; with ``return_weights`` also ``[batch..., 1, T, T]``.
+        """
+        x = mu.check_tokens(x, type(self).__name__)
+        queries, keys, values = self._qkv(x, self.d_out, self.d_out, self.qkv_bias)
+        return self._attend(queries, keys, values, return_weights, sow_weights)
+
+
+class CausalAttention(_Dropout):
+    """The book's ``CausalAttention``: one head, causal mask, dropout on the weights.
+
+    No output projection. ``d_in`` is inferred from the input.
+
+    Attributes:
+      d_out: width of queries, keys, values and the output.
+      context_length: the most tokens a call may have.
+      dropout: probability of dropping an attention weight, in [0, 1).
+      qkv_bias: add a bias to the three projections.
+    """
+
+    d_out: int
+    context_length: int
+    dropout: float
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        mu.check_config(
+            type(self).__name__,
+            d_out=self.d_out,
+            context_length=self.context_length,
+            dropout=self.dropout,
+        )
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(
+        self,
+        x,
+        mask=None,
+        deterministic: bool | None = None,
+        dropout_rng: Array | None = None,
+        return_weights: bool = False,
+        sow_weights: bool = False,
+    ):
+        """Causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
+
+        Args:
+          x: ``[batch..., T, d_in]`` float array.
+          mask: optional bool, True = attend, broadcastable to ``[batch..., 1, T, T]``;
+            ANDed with the causal mask.
+          deterministic: True for inference (no dropout); overrides the attribute.
+          dropout_rng: dropout key; default ``self.make_rng('dropout')``.
+          return_weights: also return the pre-dropout weights ``[batch..., 1, T, T]``.
+          sow_weights: sow them into ``intermediates/attention_weights``.
+
+        Returns:
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+        """
+        x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
+        deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
+        queries, keys, values = self._qkv(x, self.d_out, self.d_out, self.qkv_bias)
+        return mu.attend(
+            queries,
+            keys,
+            values,
+            num_heads=1,
+            num_kv_heads=1,
+            causal=self.causal,
+            mask=mask,
+            dropout=self.dropout,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            broadcast_dropout=self.broadcast_dropout,
+            dtype=self.dtype,
+            precision=self.precision,
+            module=self if sow_weights else None,
+            return_weights=return_weights,
+        )
+
+
+class MultiHeadAttentionWrapper(_Dropout):
+    """The book's ``MultiHeadAttentionWrapper``: ``num_heads`` CausalAttention heads, concatenated.
+
+    Output width ``num_heads * d_out``. The heads are the submodules ``heads_0``,
+    ``heads_1``, ... (the book's ``heads.0``, ``heads.1``, ...).
+
+    Attributes:
+      d_out: width of *each* head.
+      context_length: the most tokens a call may have.
+      dropout: probability of dropping an attention weight, in [0, 1).
+      num_heads: number of heads.
+      qkv_bias: add a bias to the projections.
+    """
+
+    d_out: int
+    context_length: int
+    dropout: float
+    num_heads: int
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        mu.check_config(
+            type(self).__name__,
+            d_out=self.d_out,
+            context_length=self.context_length,
+            dropout=self.dropout,
+            num_heads=self.num_heads,
+        )
+        super().__post_init__()
+
+    def setup(self):
+        self.heads = [
+            CausalAttention(
+                self.d_out,
+                self.context_length,
+                self.dropout,
+                self.qkv_bias,
+                causal=self.causal,
+                deterministic=self.deterministic,
+                broadcast_dropout=self.broadcast_dropout,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                kernel_init=self.kernel_init,
+                bias_init=self.bias_init,
+            )
+            for _ in range(self.num_heads)
+        ]
+
+    def __call__(
+        self,
+        x,
+        mask=None,
+        deterministic: bool | None = None,
+        dropout_rng: Array | None = None,
+        return_weights: bool = False,
+        sow_weights: bool = False,
+    ):
+        """Runs every head on ``x [batch..., T, d_in]`` and concatenates their outputs.
+
+        Args: as :class:`CausalAttention`; a ``dropout_rng`` given here is folded with the
+        head index, so each head drops independently.
+
+        Returns:
+          ``[batch..., T, num_heads * d_out]``; with ``return_weights`` also the weights
+          ``[batch..., num_heads, T, T]``.
+        """
+        x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
+        deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
+        outs = [
+            head(
+                x,
+                mask,
+                deterministic=deterministic,
+                dropout_rng=None if dropout_rng is None else jax.random.fold_in(dropout_rng, i),
+                return_weights=return_weights,
+                sow_weights=sow_weights,
+            )
+            for i, head in enumerate(self.heads)
+        ]
+        if not return_weights:
+            return jnp.concatenate(outs, axis=-1)  # [batch..., T, num_heads * d_out]
+        contexts, weights = zip(*outs, strict=True)
+        # [batch..., T, num_heads * d_out] and [batch..., num_heads, T, T]
+        return jnp.concatenate(contexts, axis=-1), jnp.concatenate(weights, axis=-3)
+
+
+class MultiHeadAttention(_Dropout):
+    """The book's ``MultiHeadAttention``: one Q/K/V projection each, split into heads.
+
+    ``head_dim = d_out // num_heads``; the concatenated heads go through ``out_proj``
+    (a Dense layer with bias, as the book). With ``num_kv_heads < num_heads`` the key and
+    value projections have ``num_kv_heads * head_dim`` features and each key/value head
+    serves ``num_heads // num_kv_heads`` query heads (grouped-query attention; not in the
+    book).
+
+    Attributes:
+      d_out: output width (and width of the query projection).
+      context_length: the most tokens a call may have.
+      dropout: probability of dropping an attention weight, in [0, 1).
+      num_heads: number of query heads; must divide ``d_out``.
+      qkv_bias: add a bias to the Q/K/V projections (``out_proj`` always has one).
+      num_kv_heads: number of key/value heads (GQA); default ``num_heads``.
+    """
+
+    d_out: int
+    context_length: int
+    dropout: float
+    num_heads: int
+    qkv_bias: bool = False
+    _: dataclasses.KW_ONLY
+    num_kv_heads: int | None = None
+
+    def __post_init__(self):
+        mu.check_config(
+            type(self).__name__,
+            d_out=self.d_out,
+            context_length=self.context_length,
+            dropout=self.dropout,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+        )
+        super().__post_init__()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_out // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads actually used (``num_kv_heads`` or ``num_heads``)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @nn.compact
+    def __call__(
+        self,
+        x,
+        mask=None,
+        deterministic: bool | None = None,
+        dropout_rng: Array | None = None,
+        return_weights: bool = False,
+        sow_weights: bool = False,
+    ):
+        """Multi-head causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
+
+        Args:
+          x: ``[batch..., T, d_in]`` float array.
+          mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``
+            (e.g. :func:`jattn.masks.padding_mask`); ANDed with the causal mask.
+          deterministic: True for inference (no dropout); overrides the attribute.
+          dropout_rng: dropout key; default ``self.make_rng('dropout')``.
+          return_weights: also return the pre-dropout weights ``[batch..., num_heads, T, T]``.
+          sow_weights: sow them into ``intermediates/attention_weights``.
+
+        Returns:
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+        """
+        x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
+        deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
+        # 1. projections: [batch..., T, d_out] and [batch..., T, kv_heads * head_dim]
+        queries, keys, values = self._qkv(
+            x, self.d_out, self.kv_heads * self.head_dim, self.qkv_bias
+        )
+        # 2. attention per head, heads merged back: [batch..., T, d_out]
+        attended = mu.attend(
+            queries,
+            keys,
+            values,
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            causal=self.causal,
+            mask=mask,
+            dropout=self.dropout,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            broadcast_dropout=self.broadcast_dropout,
+            dtype=self.dtype,
+            precision=self.precision,
+            module=self if sow_weights else None,
+            return_weights=return_weights,
+        )
+        context, weights = attended if return_weights else (attended, None)
+        # 3. output projection: [batch..., T, d_out]
+        out = self._dense(self.d_out, "out_proj", use_bias=True)(context)
+        return (out, weights) if return_weights else out
