@@ -47,6 +47,7 @@ def check_config(
     cls_name: str,
     *,
     d_out,
+    d_in=None,
     context_length=None,
     dropout=0.0,
     num_heads=1,
@@ -60,6 +61,8 @@ def check_config(
         a dropout rate outside [0, 1).
     """
     d_out = _check_positive_int(d_out, "d_out", cls_name)
+    if d_in is not None:  # NNX modules get d_in at construction
+        _check_positive_int(d_in, "d_in", cls_name)
     num_heads = _check_positive_int(num_heads, "num_heads", cls_name)
     if context_length is not None:
         _check_positive_int(context_length, "context_length", cls_name)
@@ -196,36 +199,37 @@ def merge_heads(x: Array) -> Array:
 
 
 def attend(
+    module: Any,
     queries: Array,
     keys: Array,
     values: Array,
     *,
-    num_heads: int,
-    num_kv_heads: int,
-    causal: bool,
-    mask,
-    dropout: float,
-    dropout_rng,
-    deterministic: bool,
-    broadcast_dropout: Any,
-    dtype: Any,
-    precision: Any,
-    module: Any,
-    return_weights: bool,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    mask=None,
+    deterministic: bool = True,
+    dropout_rng: Array | None = None,
+    return_weights: bool = False,
+    sow_weights: bool = False,
 ):
     """Projected features in, attended features out: the modules' one call into the core.
 
+    The module's settings are read from its attributes, which the Linen and NNX classes
+    name alike: ``dtype``, ``precision`` and, on the classes with a mask and dropout,
+    ``causal``, ``dropout`` and ``broadcast_dropout`` (the book's self-attention classes
+    have none of them: no mask, no dropout).
+
     Args:
+      module: the calling Linen or NNX module.
       queries: ``[batch..., T, num_heads * head_dim]``.
       keys: ``[batch..., T, num_kv_heads * head_dim]``.
       values: ``[batch..., T, num_kv_heads * head_dim]``.
       num_heads, num_kv_heads: head counts (1 and 1 for the single-head classes).
-      causal: AND the causal mask (token i sees tokens j <= i).
       mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``.
-      dropout, dropout_rng, deterministic, broadcast_dropout: dropout on the weights.
-      dtype, precision: as in :func:`jattn.functional.dot_product_attention`.
-      module: a module to sow ``attention_weights`` into, or None.
-      return_weights: also return the weights ``[batch..., num_heads, T, T]``.
+      deterministic: True: no dropout.
+      dropout_rng: the dropout key when ``deterministic`` is False.
+      return_weights: also return the weights ``[batch..., num_heads, T, T]`` (pre-dropout).
+      sow_weights: sow the weights into the module as ``attention_weights``.
 
     Returns:
       Context ``[batch..., T, num_heads * head_dim]`` (and the weights if asked).
@@ -239,14 +243,14 @@ def attend(
         k,
         v,
         mask=mask,
-        is_causal=causal,
-        dropout_rate=dropout,
+        is_causal=getattr(module, "causal", False),
+        dropout_rate=getattr(module, "dropout", 0.0),
         dropout_rng=dropout_rng,
         deterministic=deterministic,
-        broadcast_dropout=broadcast_dropout,
-        dtype=dtype,
-        precision=precision,
-        module=module,
+        broadcast_dropout=getattr(module, "broadcast_dropout", False),
+        dtype=module.dtype,
+        precision=module.precision,
+        module=module if sow_weights else None,
         return_weights=return_weights,
     )
     if return_weights:

@@ -69,6 +69,8 @@ Initializer = Any
 # book weights with jattn.convert.from_torch_state_dict rather than matching initializers).
 default_kernel_init = nn.initializers.lecun_normal()
 default_bias_init = nn.initializers.zeros_init()
+# SelfAttention_v1 draws its raw matrices with torch.rand: U[0, 1).
+v1_kernel_init = nn.initializers.uniform(1.0)
 
 
 class _Projections(nn.Module):
@@ -144,7 +146,7 @@ class SelfAttentionV1(_Projections):
 
     d_out: int
     _: dataclasses.KW_ONLY
-    kernel_init: Initializer = nn.initializers.uniform(1.0)
+    kernel_init: Initializer = v1_kernel_init
 
     def __post_init__(self):
         mu.check_config(type(self).__name__, d_out=self.d_out)
@@ -170,25 +172,8 @@ class SelfAttentionV1(_Projections):
             )
             for name in ("W_query", "W_key", "W_value")
         )
-        return self._attend(queries, keys, values, return_weights, sow_weights)
-
-    def _attend(self, queries, keys, values, return_weights, sow_weights):
         return mu.attend(
-            queries,
-            keys,
-            values,
-            num_heads=1,
-            num_kv_heads=1,
-            causal=False,
-            mask=None,
-            dropout=0.0,
-            dropout_rng=None,
-            deterministic=True,
-            broadcast_dropout=False,
-            dtype=self.dtype,
-            precision=self.precision,
-            module=self if sow_weights else None,
-            return_weights=return_weights,
+            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
         )
 
 
@@ -213,7 +198,9 @@ class SelfAttentionV2(SelfAttentionV1):
         """
         x = mu.check_tokens(x, type(self).__name__)
         queries, keys, values = self._qkv(x, self.d_out, self.d_out, self.qkv_bias)
-        return self._attend(queries, keys, values, return_weights, sow_weights)
+        return mu.attend(
+            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+        )
 
 
 class CausalAttention(_Dropout):
@@ -270,21 +257,15 @@ class CausalAttention(_Dropout):
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
         queries, keys, values = self._qkv(x, self.d_out, self.d_out, self.qkv_bias)
         return mu.attend(
+            self,
             queries,
             keys,
             values,
-            num_heads=1,
-            num_kv_heads=1,
-            causal=self.causal,
             mask=mask,
-            dropout=self.dropout,
-            dropout_rng=dropout_rng,
             deterministic=deterministic,
-            broadcast_dropout=self.broadcast_dropout,
-            dtype=self.dtype,
-            precision=self.precision,
-            module=self if sow_weights else None,
+            dropout_rng=dropout_rng,
             return_weights=return_weights,
+            sow_weights=sow_weights,
         )
 
 
@@ -453,21 +434,17 @@ class MultiHeadAttention(_Dropout):
         )
         # 2. attention per head, heads merged back: [batch..., T, d_out]
         attended = mu.attend(
+            self,
             queries,
             keys,
             values,
             num_heads=self.num_heads,
             num_kv_heads=self.kv_heads,
-            causal=self.causal,
             mask=mask,
-            dropout=self.dropout,
-            dropout_rng=dropout_rng,
             deterministic=deterministic,
-            broadcast_dropout=self.broadcast_dropout,
-            dtype=self.dtype,
-            precision=self.precision,
-            module=self if sow_weights else None,
+            dropout_rng=dropout_rng,
             return_weights=return_weights,
+            sow_weights=sow_weights,
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]

@@ -1,0 +1,577 @@
+"""Flax NNX modules for every attention form of chapter 3, with the book's names.
+
+The same five classes as :mod:`jattn.linen`, with the same parameter trees
+(``W_query``, ``W_key``, ``W_value``, ``out_proj``, ``heads_{i}`` in the wrapper), so
+:func:`jattn.convert.linen_to_nnx` / :func:`jattn.convert.nnx_to_linen` are a renaming-free
+copy. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` last:
+
+=========================  =====================================================
+book (PyTorch)             ``jattn.nnx``
+=========================  =====================================================
+``SelfAttention_v1``       ``SelfAttentionV1(d_in, d_out, *, rngs)``
+``SelfAttention_v2``       ``SelfAttentionV2(d_in, d_out, qkv_bias=False, *, rngs)``
+``CausalAttention``        ``CausalAttention(d_in, d_out, context_length, dropout,
+                           qkv_bias=False, *, rngs)``
+``MultiHeadAttention-      ``MultiHeadAttentionWrapper(d_in, d_out, context_length,
+Wrapper``                  dropout, num_heads, qkv_bias=False, *, rngs)``
+``MultiHeadAttention``     ``MultiHeadAttention(d_in, d_out, context_length, dropout,
+                           num_heads, qkv_bias=False, *, num_kv_heads=None, rngs)``
+=========================  =====================================================
+
+Conventions shared by every class:
+
+* Inputs ``x [batch..., num_tokens, d_in]`` with any number of batch dims (none included);
+  more tokens than ``context_length`` is a ValueError.
+* ``deterministic``: the call argument wins over the attribute, which ``.train()`` sets to
+  False and ``.eval()`` to True (``nnx.view(model, deterministic=...)`` works too). A module
+  with ``dropout == 0`` needs neither; with ``dropout > 0`` and neither set, the call raises.
+* Dropout key, in this order:
+
+  1. ``rngs`` given to the call: an ``nnx.Rngs`` (its ``dropout`` stream, or ``default``
+     when it has none), an ``nnx.RngStream`` (one key drawn from it), or a ``jax.random``
+     key (used as is);
+  2. otherwise the stream the module forked at construction from ``rngs.dropout`` (or
+     ``rngs.default``); each call draws the next key from it, so repeated calls drop
+     differently, and its counter is module state (``nnx.jit`` carries it).
+
+  Modules built with ``dropout == 0`` or ``keep_rngs=False`` keep no stream. Active dropout
+  with no key from either place raises a ValueError.
+* Attention weights ``[batch..., num_heads, T, T]`` (``num_heads = 1`` for the single-head
+  classes), taken before dropout: returned with ``return_weights=True`` or sown as
+  ``nnx.Intermediate`` ``attention_weights`` with ``sow_weights=True``
+  (read them with ``nnx.pop(model, nnx.Intermediate)``).
+* ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn import _module_utils as mu
+
+__all__ = [
+    "CausalAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttentionV1",
+    "SelfAttentionV2",
+]
+
+Array = jax.Array
+Initializer = Any
+RngsArg = nnx.Rngs | nnx.RngStream | jax.Array | None
+
+# Flax's defaults for Linear layers (the same as jattn.linen's).
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+# SelfAttention_v1 draws its raw matrices with torch.rand: U[0, 1).
+v1_kernel_init = nnx.initializers.uniform(1.0)
+
+
+class _Attention(nnx.Module):
+    """What every class keeps: numerics, and a way to build its projections."""
+
+    def _init_numerics(self, *, dtype, param_dtype, precision) -> None:
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+
+    def _linear(self, d_in, features, use_bias, kernel_init, bias_init, rngs) -> nnx.Linear:
+        return nnx.Linear(
+            d_in,
+            features,
+            use_bias=use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            rngs=rngs,
+        )
+
+    def _init_qkv(self, d_in, q_features, kv_features, use_bias, kernel_init, bias_init, rngs):
+        self.W_query = self._linear(d_in, q_features, use_bias, kernel_init, bias_init, rngs)
+        self.W_key = self._linear(d_in, kv_features, use_bias, kernel_init, bias_init, rngs)
+        self.W_value = self._linear(d_in, kv_features, use_bias, kernel_init, bias_init, rngs)
+
+    def _qkv(self, x: Array):
+        # [batch..., T, q_features], [batch..., T, kv_features] x 2
+        return self.W_query(x), self.W_key(x), self.W_value(x)
+
+
+class _DropoutAttention(_Attention):
+    """What the classes with a causal mask and dropout add: mode flags and a dropout stream."""
+
+    def _init_dropout(
+        self, *, dropout, causal, deterministic, broadcast_dropout, keep_rngs, rngs
+    ) -> None:
+        self.dropout = dropout
+        self.causal = causal
+        self.deterministic = deterministic
+        self.broadcast_dropout = broadcast_dropout
+        stream = None
+        if keep_rngs and dropout > 0.0:
+            try:
+                stream = rngs.dropout.fork()  # nnx.Rngs falls back to its 'default' stream
+            except AttributeError:
+                stream = None  # neither stream: a training call must then pass rngs=
+        self.rngs = nnx.data(stream)
+
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: sets ``deterministic`` when given."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def _dropout_setup(self, deterministic, rngs: RngsArg) -> tuple[bool, Array | None]:
+        """``(deterministic, key)`` for this call; see the module docstring for the key order."""
+        name = type(self).__name__
+        deterministic = mu.resolve_deterministic(
+            deterministic, self.deterministic, self.dropout, name
+        )
+        if deterministic or self.dropout == 0.0:
+            return True, None
+        if rngs is None:
+            rngs = self.rngs
+        if rngs is None:
+            raise mu.missing_key_error(name, "nnx")
+        if isinstance(rngs, nnx.Rngs):
+            return False, rngs.dropout()
+        if isinstance(rngs, nnx.RngStream):
+            return False, rngs()
+        if isinstance(rngs, jax.Array):
+            return False, rngs
+        raise TypeError(
+            f"{name}: rngs must be an nnx.Rngs, an nnx.RngStream or a jax.random key, got "
+            f"{type(rngs).__name__}."
+        )
+
+
+class SelfAttentionV1(_Attention):
+    """The book's ``SelfAttention_v1``: raw weight matrices, no mask, no dropout.
+
+    ``softmax(q kᵀ / sqrt(d_out)) v`` with ``q = x @ W_query`` etc.
+
+    Args:
+      d_in: input width.
+      d_out: width of queries, keys, values and the output.
+      dtype: computation dtype; None: inferred from inputs and parameters.
+      param_dtype: parameter dtype.
+      precision: ``jax.lax.Precision`` of the matmuls.
+      kernel_init: default ``uniform(1.0)``, i.e. U[0, 1) as the book's ``torch.rand``.
+      rngs: ``nnx.Rngs`` for the initialization (its ``params`` stream).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = v1_kernel_init,
+        rngs: nnx.Rngs,
+    ):
+        mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
+        self.d_in, self.d_out = d_in, d_out
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        shape = (d_in, d_out)
+        self.W_query = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+        self.W_key = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+        self.W_value = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+
+    def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
+        """Self-attention of ``x [batch..., T, d_in]``.
+
+        Returns:
+          ``[batch..., T, d_out]``; with ``return_weights`` also ``[batch..., 1, T, T]``.
+        """
+        x = mu.check_tokens(x, type(self).__name__, d_in=self.d_in)
+        # [batch..., T, d_out] each
+        queries, keys, values = (
+            mu.project_raw(x, w[...], dtype=self.dtype, precision=self.precision)
+            for w in (self.W_query, self.W_key, self.W_value)
+        )
+        return mu.attend(
+            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+        )
+
+
+class SelfAttentionV2(_Attention):
+    """The book's ``SelfAttention_v2``: ``V1`` with ``nnx.Linear`` projections (optional bias).
+
+    Args:
+      d_in: input width.
+      d_out: width of queries, keys, values and the output.
+      qkv_bias: add a bias to the three projections.
+      dtype, param_dtype, precision, kernel_init, bias_init: as ``nnx.Linear``.
+      rngs: ``nnx.Rngs`` for the initialization.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        qkv_bias: bool = False,
+        *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        rngs: nnx.Rngs,
+    ):
+        mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
+        self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
+
+    def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
+        """Self-attention of ``x [batch..., T, d_in]``.
+
+        Returns:
+          ``[batch..., T, d_out]``; with ``return_weights`` also ``[batch..., 1, T, T]``.
+        """
+        x = mu.check_tokens(x, type(self).__name__, d_in=self.d_in)
+        queries, keys, values = self._qkv(x)
+        return mu.attend(
+            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+        )
+
+
+class CausalAttention(_DropoutAttention):
+    """The book's ``CausalAttention``: one head, causal mask, dropout on the weights.
+
+    Args:
+      d_in: input width.
+      d_out: width of queries, keys, values and the output.
+      context_length: the most tokens a call may have.
+      dropout: probability of dropping an attention weight, in [0, 1).
+      qkv_bias: add a bias to the three projections.
+      causal: jattn extension: False drops the causal mask (a "leaky" model).
+      deterministic: True: no dropout; None: decided by the call (or ``.train()/.eval()``).
+      broadcast_dropout: axes sharing one dropout mask: False (independent, as the book),
+        True, ``'batch'`` or ``'heads'``.
+      dtype, param_dtype, precision, kernel_init, bias_init: as ``nnx.Linear``.
+      keep_rngs: keep a dropout stream forked from ``rngs`` (see the module docstring).
+      rngs: ``nnx.Rngs`` for the initialization (and the dropout stream).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        deterministic: bool | None = None,
+        broadcast_dropout: bool | str = False,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        keep_rngs: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        mu.check_config(
+            type(self).__name__,
+            d_in=d_in,
+            d_out=d_out,
+            context_length=context_length,
+            dropout=dropout,
+        )
+        self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
+        self.context_length = context_length
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
+        self._init_dropout(
+            dropout=float(dropout),
+            causal=causal,
+            deterministic=deterministic,
+            broadcast_dropout=broadcast_dropout,
+            keep_rngs=keep_rngs,
+            rngs=rngs,
+        )
+
+    def __call__(
+        self,
+        x,
+        mask=None,
+        *,
+        deterministic: bool | None = None,
+        rngs: RngsArg = None,
+        return_weights: bool = False,
+        sow_weights: bool = False,
+    ):
+        """Causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
+
+        Args:
+          x: ``[batch..., T, d_in]`` float array.
+          mask: optional bool, True = attend, broadcastable to ``[batch..., 1, T, T]``;
+            ANDed with the causal mask.
+          deterministic: True for inference (no dropout); overrides the attribute.
+          rngs: dropout key source for this call (overrides the stored stream).
+          return_weights: also return the pre-dropout weights ``[batch..., 1, T, T]``.
+          sow_weights: sow them as ``nnx.Intermediate`` ``attention_weights``.
+
+        Returns:
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+        """
+        name = type(self).__name__
+        x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
+        deterministic, dropout_rng = self._dropout_setup(deterministic, rngs)
+        queries, keys, values = self._qkv(x)
+        return mu.attend(
+            self,
+            queries,
+            keys,
+            values,
+            mask=mask,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+        )
+
+
+class MultiHeadAttentionWrapper(_DropoutAttention):
+    """The book's ``MultiHeadAttentionWrapper``: ``num_heads`` CausalAttention heads, concatenated.
+
+    Output width ``num_heads * d_out``. The heads are the attributes ``heads_0``,
+    ``heads_1``, ... (also listed by :attr:`heads`), as in :mod:`jattn.linen`.
+
+    Args: as :class:`CausalAttention`, plus ``num_heads``; ``d_out`` is the width of
+    *each* head. Every head forks its own dropout stream from ``rngs``.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        causal: bool = True,
+        deterministic: bool | None = None,
+        broadcast_dropout: bool | str = False,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        keep_rngs: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        mu.check_config(
+            type(self).__name__,
+            d_in=d_in,
+            d_out=d_out,
+            context_length=context_length,
+            dropout=dropout,
+            num_heads=num_heads,
+        )
+        self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
+        self.context_length, self.num_heads = context_length, num_heads
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        # The heads keep the dropout streams; the wrapper keeps only the mode flags.
+        self._init_dropout(
+            dropout=float(dropout),
+            causal=causal,
+            deterministic=deterministic,
+            broadcast_dropout=broadcast_dropout,
+            keep_rngs=False,
+            rngs=rngs,
+        )
+        for i in range(num_heads):
+            head = CausalAttention(
+                d_in,
+                d_out,
+                context_length,
+                dropout,
+                qkv_bias,
+                causal=causal,
+                deterministic=deterministic,
+                broadcast_dropout=broadcast_dropout,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                precision=precision,
+                kernel_init=kernel_init,
+                bias_init=bias_init,
+                keep_rngs=keep_rngs,
+                rngs=rngs,
+            )
+            setattr(self, f"heads_{i}", head)
+
+    @property
+    def heads(self) -> list[CausalAttention]:
+        """The heads in order (the book's ``self.heads``)."""
+        return [getattr(self, f"heads_{i}") for i in range(self.num_heads)]
+
+    def __call__(
+        self,
+        x,
+        mask=None,
+        *,
+        deterministic: bool | None = None,
+        rngs: RngsArg = None,
+        return_weights: bool = False,
+        sow_weights: bool = False,
+    ):
+        """Runs every head on ``x [batch..., T, d_in]`` and concatenates their outputs.
+
+        Args: as :class:`CausalAttention`. ``rngs`` given here go to every head: an
+        ``nnx.Rngs`` or stream gives each head the next key in turn; a key is folded with
+        the head index. Without it, each head draws from its own stored stream.
+
+        Returns:
+          ``[batch..., T, num_heads * d_out]``; with ``return_weights`` also the weights
+          ``[batch..., num_heads, T, T]``.
+        """
+        name = type(self).__name__
+        x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
+        deterministic = mu.resolve_deterministic(
+            deterministic, self.deterministic, self.dropout, name
+        )
+        active = not deterministic and self.dropout > 0.0
+        if active and rngs is None and any(head.rngs is None for head in self.heads):
+            raise mu.missing_key_error(name, "nnx")
+        outs = []
+        for i, head in enumerate(self.heads):
+            head_rngs = jax.random.fold_in(rngs, i) if isinstance(rngs, jax.Array) else rngs
+            outs.append(
+                head(
+                    x,
+                    mask,
+                    deterministic=deterministic,
+                    rngs=head_rngs,
+                    return_weights=return_weights,
+                    sow_weights=sow_weights,
+                )
+            )
+        if not return_weights:
+            return jnp.concatenate(outs, axis=-1)  # [batch..., T, num_heads * d_out]
+        contexts, weights = zip(*outs, strict=True)
+        # [batch..., T, num_heads * d_out] and [batch..., num_heads, T, T]
+        return jnp.concatenate(contexts, axis=-1), jnp.concatenate(weights, axis=-3)
+
+
+class MultiHeadAttention(_DropoutAttention):
+    """The book's ``MultiHeadAttention``: one Q/K/V projection each, split into heads.
+
+    ``head_dim = d_out // num_heads``; the concatenated heads go through ``out_proj``
+    (a Linear layer with bias, as the book). With ``num_kv_heads < num_heads`` the key and
+    value projections have ``num_kv_heads * head_dim`` features and each key/value head
+    serves ``num_heads // num_kv_heads`` query heads (grouped-query attention).
+
+    Args: as :class:`CausalAttention`, plus ``num_heads`` (must divide ``d_out``) and
+    ``num_kv_heads`` (default ``num_heads``); ``qkv_bias`` applies to the Q/K/V projections
+    only (``out_proj`` always has a bias).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        context_length: int,
+        dropout: float,
+        num_heads: int,
+        qkv_bias: bool = False,
+        *,
+        num_kv_heads: int | None = None,
+        causal: bool = True,
+        deterministic: bool | None = None,
+        broadcast_dropout: bool | str = False,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        keep_rngs: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        self.kv_heads = mu.check_config(
+            type(self).__name__,
+            d_in=d_in,
+            d_out=d_out,
+            context_length=context_length,
+            dropout=dropout,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+        )
+        self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
+        self.context_length, self.num_heads, self.num_kv_heads = (
+            context_length,
+            num_heads,
+            num_kv_heads,
+        )
+        self.head_dim = d_out // num_heads
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_qkv(
+            d_in, d_out, self.kv_heads * self.head_dim, qkv_bias, kernel_init, bias_init, rngs
+        )
+        self.out_proj = self._linear(d_out, d_out, True, kernel_init, bias_init, rngs)
+        self._init_dropout(
+            dropout=float(dropout),
+            causal=causal,
+            deterministic=deterministic,
+            broadcast_dropout=broadcast_dropout,
+            keep_rngs=keep_rngs,
+            rngs=rngs,
+        )
+
+    def __call__(
+        self,
+        x,
+        mask=None,
+        *,
+        deterministic: bool | None = None,
+        rngs: RngsArg = None,
+        return_weights: bool = False,
+        sow_weights: bool = False,
+    ):
+        """Multi-head causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
+
+        Args:
+          x: ``[batch..., T, d_in]`` float array.
+          mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``
+            (e.g. :func:`jattn.masks.padding_mask`); ANDed with the causal mask.
+          deterministic: True for inference (no dropout); overrides the attribute.
+          rngs: dropout key source for this call (overrides the stored stream).
+          return_weights: also return the pre-dropout weights ``[batch..., num_heads, T, T]``.
+          sow_weights: sow them as ``nnx.Intermediate`` ``attention_weights``.
+
+        Returns:
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+        """
+        name = type(self).__name__
+        x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
+        deterministic, dropout_rng = self._dropout_setup(deterministic, rngs)
+        # 1. projections: [batch..., T, d_out] and [batch..., T, kv_heads * head_dim]
+        queries, keys, values = self._qkv(x)
+        # 2. attention per head, heads merged back: [batch..., T, d_out]
+        attended = mu.attend(
+            self,
+            queries,
+            keys,
+            values,
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            mask=mask,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            return_weights=return_weights,
+            sow_weights=sow_weights,
+        )
+        context, weights = attended if return_weights else (attended, None)
+        # 3. output projection: [batch..., T, d_out]
+        out = self.out_proj(context)
+        return (out, weights) if return_weights else out
