@@ -83,8 +83,8 @@ def dependence_matrix(
                 f"method='gradient' needs a float input, got {x.dtype}; use "
                 "method='perturbation' (with vocab_size=) for token ids."
             )
-        y = fn(x)
-        jac = jax.jacrev(fn)(x)  # y.shape + x.shape
+        y = jax.eval_shape(fn, x)
+        jac = jax.jit(jax.jacrev(fn))(x)  # y.shape + x.shape; one compilation, not one per op
         out_ax = out_axis % y.ndim
         in_ax = y.ndim + (in_axis % x.ndim)
         return np.asarray(_reduce_to(jac, (out_ax, in_ax)))
@@ -95,14 +95,16 @@ def dependence_matrix(
     base = fn(x)
     xs = jnp.moveaxis(x, in_axis, 0)  # [T_in, ...]
     t_in = xs.shape[0]
-    change = perturb or (lambda xm, j: _default_perturb(xm, j, jax.random.fold_in(key, j), vocab_size))
+    change = perturb or (
+        lambda xm, j: _default_perturb(xm, j, jax.random.fold_in(key, j), vocab_size)
+    )
 
     def column(j):
         y = fn(jnp.moveaxis(change(xs, j), 0, in_axis))
         diff = jnp.moveaxis(jnp.abs(y - base), out_axis, 0)
         return diff.reshape(diff.shape[0], -1).max(axis=-1)  # [T_out]
 
-    cols = jax.lax.map(column, jnp.arange(t_in))  # [T_in, T_out]
+    cols = jax.jit(lambda: jax.lax.map(column, jnp.arange(t_in)))()  # [T_in, T_out]
     return np.asarray(cols.T)
 
 

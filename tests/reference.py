@@ -1,0 +1,50 @@
+"""Independent float64 numpy references for attention (loops where clarity beats speed).
+
+Import from tests as ``from reference import np_attention`` (tests/ is on sys.path via rootdir
+conftest). Nothing here imports jattn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def np_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def np_attention(q, k, v, *, mask=None, bias=None, scale=None, return_weights=False):
+    """float64 attention on [batch..., T, H, D] / [batch..., S, K, D] inputs.
+
+    ``mask`` is boolean (True = attend), broadcastable to [batch..., H, T, S]. Fully masked
+    rows give zero weights and zero output (PyTorch SDPA semantics).
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    *batch, t, h, d = q.shape
+    s, kh = k.shape[-3], k.shape[-2]
+    groups = h // kh
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    # Repeat K/V heads so that query head i uses kv head i // groups (jax.nn's GQA layout).
+    k_full = np.repeat(k, groups, axis=-2)
+    v_full = np.repeat(v, groups, axis=-2)
+    logits = np.einsum("...thd,...shd->...hts", q, k_full) * scale
+    if bias is not None:
+        logits = logits + np.asarray(bias, dtype=np.float64)
+    if mask is None:
+        mask = np.ones(logits.shape, dtype=bool)
+    mask = np.broadcast_to(np.asarray(mask, dtype=bool), logits.shape)
+    weights = np.zeros_like(logits)
+    flat_logits = logits.reshape(-1, s)
+    flat_mask = mask.reshape(-1, s)
+    flat_w = weights.reshape(-1, s)
+    for r in range(flat_logits.shape[0]):
+        m = flat_mask[r]
+        if m.any():
+            row = np.where(m, flat_logits[r], -np.inf)
+            flat_w[r] = np_softmax(row)
+    weights = flat_w.reshape(logits.shape)
+    out = np.einsum("...hts,...shd->...thd", weights, v_full)
+    assert out.shape == (*batch, t, h, v.shape[-1])
+    return (out, weights) if return_weights else out
