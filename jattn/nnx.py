@@ -38,8 +38,9 @@ Conventions shared by every class:
   with no key from either place raises a ValueError.
 * Attention weights ``[batch..., num_heads, T, T]`` (``num_heads = 1`` for the single-head
   classes), taken before dropout: returned with ``return_weights=True`` or sown as
-  ``nnx.Intermediate`` ``attention_weights`` with ``sow_weights=True``
-  (read them with ``nnx.pop(model, nnx.Intermediate)``).
+  ``nnx.Intermediate`` ``attention_weights`` with ``sow_weights=True``, read with
+  ``y, inter = nnx.capture(model, nnx.Intermediate)(x, sow_weights=True)`` (flax 0.12
+  deprecates sowing outside ``nnx.capture``).
 * ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask.
 """
 
