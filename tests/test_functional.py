@@ -574,3 +574,30 @@ def test_none_input_is_a_type_error():
     x = jnp.ones(GOOD)
     with pytest.raises(TypeError, match="key is required"):
         jattn.dot_product_attention(x, None, x)
+
+
+# ---------------------------------------------------------------------------------------
+# PyTorch scaled_dot_product_attention semantics (optional: torch is not a dependency)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.torch
+def test_matches_torch_sdpa_including_fully_masked_rows():
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv((2, 3, 5, 4), (2, 3, 7, 4))  # torch layout [B, H, T, D] ...
+    rng = np.random.default_rng(0)
+    mask = rng.random((2, 3, 5, 7)) > 0.5
+    mask[0, 1, 2] = False  # a fully masked row
+    to_t = lambda a: torch.from_numpy(np.asarray(a).copy())  # noqa: E731
+    for causal in (False, True):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            to_t(q), to_t(k), to_t(v), attn_mask=None if causal else to_t(mask), is_causal=causal
+        ).numpy()
+        # ... and jattn's layout [B, T, H, D]
+        t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+        got = jattn.dot_product_attention(
+            t(q), t(k), t(v), mask=None if causal else mask, is_causal=causal
+        )
+        np.testing.assert_allclose(np.asarray(t(got)), ref, rtol=1e-5, atol=1e-5)
+        if not causal:  # torch zeroes the fully masked row, and so does jattn
+            assert np.all(ref[0, 1, 2] == 0.0) and np.all(np.asarray(got)[0, 2, 1] == 0.0)
