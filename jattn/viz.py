@@ -25,6 +25,7 @@ import numpy as np
 
 __all__ = [
     "attention_heatmap",
+    "bar_plot",
     "dropout_heatmap",
     "line_plot",
     "mask_heatmap",
@@ -313,4 +314,38 @@ def line_plot(
         ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    return ax
+
+
+def bar_plot(
+    values: Mapping[str, float],
+    *,
+    ax=None,
+    title: str | None = None,
+    ylabel: str = "",
+    fmt: str = ".3g",
+):
+    """One labelled bar per entry of ``{label: value}``, each annotated with its value.
+
+    Args:
+      values: ``{label: value}``, drawn left to right in order.
+      ax: Axes to draw on, or None for a new figure.
+      title: panel title.
+      ylabel: y-axis label.
+      fmt: format spec of the value written above each bar.
+
+    Returns:
+      The Axes drawn on.
+    """
+    labels = [str(k) for k in values]
+    heights = np.asarray([float(v) for v in values.values()])
+    if heights.ndim != 1 or not np.all(np.isfinite(heights)):
+        raise ValueError(f"values must be finite numbers, got {dict(values)!r}.")
+    ax = _axes(ax)
+    bars = ax.bar(labels, heights, color=[f"C{i}" for i in range(len(labels))])
+    ax.bar_label(bars, labels=[format(h, fmt) for h in heights], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.15)
+    if title:
+        ax.set_title(title)
     return ax

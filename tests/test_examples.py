@@ -44,6 +44,10 @@ def _np_softmax(z):
 ALL = sorted(p.stem for p in EXAMPLES_DIR.glob("[0-9][0-9]_*.py"))
 
 
+def test_every_example_is_listed():
+    assert len(ALL) == 6, f"expected six examples in examples/, found {ALL}"
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -111,6 +115,44 @@ def test_02_gradient_wrt_bias_is_the_softmax_gradient():
     grad = p * (u - np.sum(p * u, axis=-1, keepdims=True))  # softmax backward
     np.testing.assert_allclose(grad_norm, np.linalg.norm(grad, axis=-1), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(entropy, -np.sum(p * np.log(p), axis=-1), rtol=1e-4)
+
+
+# --- 3. Stacking heads is vmap ---------------------------------------------------------------
+
+
+def test_03_loop_vmap_and_split_heads_agree(tmp_path):
+    flags = ("--batch", "2", "--tokens", "8", "--d-in", "4", "--heads", "2", "--head-dim", "4")
+    r = run("03_heads_are_vmap", tmp_path, *flags, "--repeats", "1")
+    assert r.max_diff_book <= 1e-6
+    assert r.max_diff_random <= 1e-5
+    # The book's two causal heads: rows sum to 1, nothing above the diagonal.
+    assert r.book_weights.shape == (2, 6, 6)
+    np.testing.assert_allclose(r.book_weights.sum(-1), 1.0, rtol=1e-6)
+    assert np.all(r.book_weights[:, np.triu(np.ones((6, 6), bool), k=1)] == 0)
+    assert set(r.seconds) == {"loop", "vmap", "split"}
+    assert all(np.isfinite(s) and s > 0 for s in r.seconds.values())
+
+
+def test_03_stack_heads():
+    mod = load("03_heads_are_vmap")
+    params = {f"heads_{i}": {"W_query": {"kernel": np.full((3, 2), i)}} for i in range(4)}
+    stacked = mod.stack_heads(params, 4)
+    assert stacked["W_query"]["kernel"].shape == (4, 3, 2)
+    np.testing.assert_array_equal(stacked["W_query"]["kernel"][:, 0, 0], [0, 1, 2, 3])
+
+
+# --- 4. Causality, seen ----------------------------------------------------------------------
+
+
+def test_04_causal_jacobian_is_lower_triangular_leaky_is_full(tmp_path):
+    r = run("04_causality_seen", tmp_path)
+    assert r.causal_future_max == 0.0  # exactly: no path from a later token
+    assert r.zeros_above_diagonal == r.entries_above_diagonal == 15
+    assert r.causal_past_min > 0  # every earlier token (and itself) is seen
+    assert r.leaky_future_min > 0  # without the mask every output sees the future
+    # The last token sees everything either way: the same mask row, the same Jacobian row.
+    np.testing.assert_allclose(r.causal[-1], r.leaky[-1], rtol=1e-6)
+    assert not np.allclose(r.causal[0], r.leaky[0])
 
 
 # --- 5. Dropout in expectation ---------------------------------------------------------------

@@ -106,3 +106,12 @@ def test_save_figure_writes_a_png_and_makes_folders(tmp_path):
     viz.attention_heatmap(_weights(3), ax=ax)
     path = viz.save_figure(fig, tmp_path / "a" / "b" / "w.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bar_plot():
+    ax = viz.bar_plot({"loop": 2.0, "vmap": 1.0}, ylabel="ms")
+    assert [p.get_height() for p in ax.patches] == [2.0, 1.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["loop", "vmap"]
+    assert [t.get_text() for t in ax.texts] == ["2", "1"]
+    with pytest.raises(ValueError, match="values must be finite numbers"):
+        viz.bar_plot({"a": float("nan")})
