@@ -1,0 +1,315 @@
+"""jattn.kvcache: appends at per-row ends, the decoding mask, capacity behaviour, one trace.
+
+References are independent of the cache: ``jax.nn.dot_product_attention`` on each row's
+real tokens, and numpy for the buffers and the mask.
+"""
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jattn import kvcache as kv
+
+B, CAP, H, K, D = 3, 12, 4, 2, 5
+
+# Most tests run the step jitted: one compilation instead of dozens of eager op dispatches.
+jit_step = jax.jit(kv.update_and_attend, static_argnames=("window", "causal", "return_weights"))
+
+
+def qkv(rng, length, batch=(B,), heads=H, kv_heads=K, dim=D):
+    """Random query [*batch, length, heads, dim] and key/value [*batch, length, kv_heads, dim]."""
+
+    def draw(h):
+        return jnp.asarray(rng.normal(size=(*batch, length, h, dim)), jnp.float32)
+
+    return draw(heads), draw(kv_heads), draw(kv_heads)
+
+
+def full_causal(q, k, v, window=None):
+    """Reference: jax.nn's attention of one row's whole sequence, causal (and windowed)."""
+    local = None if window is None else (window, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local)
+
+
+def rows_at(x, positions):
+    """[B, L, ...] -> [B, 1, ...]: row b's entry at positions[b]."""
+    return x[np.arange(x.shape[0]), np.asarray(positions)][:, None]
+
+
+def decode_in_chunks(q, k, v, prompt_lengths, steps, *, capacity=CAP, window=None):
+    """Ragged prefill (right-padded to the longest prompt), then ``steps`` one-token steps.
+
+    Returns the per-row outputs of the real tokens, in order, and the final cache.
+    """
+    lengths = np.asarray(prompt_lengths)
+    t = int(lengths.max())
+    cache = kv.init_cache(q.shape[0], capacity, k.shape[-2], k.shape[-1])
+    out, cache = kv.update_and_attend(
+        cache, q[:, :t], k[:, :t], v[:, :t], num_new=jnp.asarray(lengths), window=window
+    )
+    per_row = [[out[b, : lengths[b]]] for b in range(q.shape[0])]
+    for i in range(steps):
+        pos = lengths + i
+        o, cache = jit_step(cache, rows_at(q, pos), rows_at(k, pos), rows_at(v, pos), window=window)
+        for b in range(q.shape[0]):
+            per_row[b].append(o[b])
+    return [np.concatenate(r) for r in per_row], cache
+
+
+# ----------------------------------------------------------------------------------------
+# init and append
+# ----------------------------------------------------------------------------------------
+
+
+def test_init_cache_shapes_and_dtypes():
+    cache = kv.init_cache((2, 3), 7, 2, 4, v_head_dim=6, dtype=jnp.bfloat16)
+    assert cache.keys.shape == (2, 3, 7, 2, 4) and cache.keys.dtype == jnp.bfloat16
+    assert cache.values.shape == (2, 3, 7, 2, 6)
+    assert cache.lengths.shape == (2, 3) and cache.lengths.dtype == jnp.int32
+    assert not cache.keys.any() and not cache.lengths.any()
+    assert kv.capacity(cache) == 7
+    assert kv.init_cache((), 5, 1, 3).keys.shape == (5, 1, 3)
+    # a pytree: jit and tree_map see three leaves
+    assert len(jax.tree.leaves(cache)) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"capacity": 0}, ValueError, "capacity must be >= 1"),
+        ({"capacity": 4.0}, TypeError, "capacity must be a Python int"),
+        ({"dtype": jnp.int32}, TypeError, "floating dtype"),
+        ({"num_kv_heads": 0}, ValueError, "num_kv_heads"),
+    ],
+)
+def test_init_cache_rejects_bad_arguments(kwargs, exc, match):
+    args = {"batch_shape": 2, "capacity": 4, "num_kv_heads": 1, "head_dim": 2} | kwargs
+    with pytest.raises(exc, match=match):
+        kv.init_cache(**args)
+
+
+def test_append_writes_real_tokens_at_each_rows_end(rng):
+    _, k, v = qkv(rng, 4)
+    cache = kv.init_cache(B, CAP, K, D)
+    cache = kv.append(cache, k[:, :2], v[:, :2], num_new=jnp.array([2, 1, 0]))
+    cache = kv.append(cache, k[:, 2:], v[:, 2:], num_new=jnp.array([1, 2, 2]))
+    # numpy reference: row b holds its real tokens back to back, zeros elsewhere.
+    expected = np.zeros((B, CAP, K, D), np.float32)
+    k = np.asarray(k)
+    expected[0, :3] = k[0, [0, 1, 2]]
+    expected[1, :3] = k[1, [0, 2, 3]]
+    expected[2, :2] = k[2, [2, 3]]
+    np.testing.assert_array_equal(cache.keys, expected)
+    np.testing.assert_array_equal(cache.lengths, [3, 3, 2])
+    assert cache.values.shape == cache.keys.shape
+
+
+def test_append_casts_to_the_cache_dtype(rng):
+    _, k, v = qkv(rng, 2)
+    cache = kv.append(kv.init_cache(B, CAP, K, D, dtype=jnp.bfloat16), k, v)
+    assert cache.keys.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(cache.keys[:, :2], k.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("key_shape", "num_new", "match"),
+    [
+        ((B, 2, K, D + 1), None, "must have shape"),
+        ((B + 1, 2, K, D), None, "must have shape"),
+        ((B, 2, K, D), jnp.array([3, 0, 0]), r"num_new must be in \[0, 2\]"),
+        ((B, 2, K, D), jnp.array([1, 1]), "num_new must have the batch shape"),
+        ((B, 2, K, D), jnp.array([1.0, 1.0, 1.0]), "num_new must hold integers"),
+    ],
+)
+def test_append_rejects_bad_chunks(key_shape, num_new, match):
+    cache = kv.init_cache(B, CAP, K, D)
+    x = jnp.zeros(key_shape)
+    with pytest.raises((ValueError, TypeError), match=match):
+        kv.append(cache, x, x, num_new=num_new)
+
+
+def test_functions_reject_something_else_than_a_cache():
+    with pytest.raises(TypeError, match=r"must be a jattn\.kvcache\.KVCache"):
+        kv.append((jnp.zeros((1, 2, 1, 1)),) * 3, jnp.zeros((1, 1, 1, 1)), jnp.zeros((1, 1, 1, 1)))
+
+
+# ----------------------------------------------------------------------------------------
+# Decoding equals the full causal forward pass
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_ragged_prefill_then_steps_equals_full_causal_attention(rng, window):
+    prompt_lengths, steps = [3, 5, 1], 4
+    q, k, v = qkv(rng, 9)
+    got, cache = decode_in_chunks(q, k, v, prompt_lengths, steps, window=window)
+    for b, n in enumerate(prompt_lengths):
+        total = n + steps
+        ref = full_causal(q[b, :total], k[b, :total], v[b, :total], window)
+        np.testing.assert_allclose(got[b], ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, np.add(prompt_lengths, steps))
+
+
+@settings(max_examples=10)
+@given(splits=st.lists(st.integers(1, 3), min_size=1, max_size=4))
+def test_any_chunking_equals_full_causal_attention(splits):
+    """Chunks of any sizes (a prompt in pieces, steps of several tokens) agree with one pass."""
+    rng = np.random.default_rng(len(splits))
+    total = sum(splits)
+    q, k, v = qkv(rng, total, batch=(2,), heads=3, kv_heads=1)  # multi-query attention
+    cache = kv.init_cache(2, CAP, 1, D)
+    outs, start = [], 0
+    for n in splits:
+        o, cache = jit_step(
+            cache, q[:, start : start + n], k[:, start : start + n], v[:, start : start + n]
+        )
+        outs.append(o)
+        start += n
+    np.testing.assert_allclose(
+        jnp.concatenate(outs, axis=1), full_causal(q, k, v), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_padding_queries_give_zeros(rng):
+    q, k, v = qkv(rng, 4)
+    out, _ = kv.update_and_attend(
+        kv.init_cache(B, CAP, K, D), q, k, v, num_new=jnp.array([4, 2, 0])
+    )
+    np.testing.assert_array_equal(out[1, 2:], 0.0)
+    np.testing.assert_array_equal(out[2], 0.0)
+    assert np.all(np.abs(np.asarray(out[0])).sum(axis=(-1, -2)) > 0)
+
+
+def test_no_batch_dims_and_two_batch_dims(rng):
+    q, k, v = qkv(rng, 5, batch=(2, 3))
+    ref = full_causal(*(x.reshape(6, *x.shape[2:]) for x in (q, k, v))).reshape(q.shape)
+    cache = kv.init_cache((2, 3), 8, K, D)
+    a, cache = jit_step(cache, q[..., :3, :, :], k[..., :3, :, :], v[..., :3, :, :])
+    b, cache = jit_step(cache, q[..., 3:, :, :], k[..., 3:, :, :], v[..., 3:, :, :])
+    np.testing.assert_allclose(jnp.concatenate([a, b], axis=-3), ref, atol=1e-5, rtol=1e-5)
+    q1, k1, v1 = q[0, 0], k[0, 0], v[0, 0]  # [T, H, D]: no batch axis at all
+    c = kv.init_cache((), 8, K, D)
+    o1, c = jit_step(c, q1[:2], k1[:2], v1[:2])
+    o2, c = jit_step(c, q1[2:], k1[2:], v1[2:])
+    np.testing.assert_allclose(jnp.concatenate([o1, o2]), ref[0, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_extra_mask_is_anded_in(rng):
+    q, k, v = qkv(rng, 4)
+    # hide cache position 0 from every query
+    extra = jnp.arange(CAP) != 0
+    out, _ = kv.update_and_attend(kv.init_cache(B, CAP, K, D), q, k, v, mask=extra)
+    hide_first = (jnp.arange(4) != 0)[None, None, None, :] & jnp.tril(jnp.ones((4, 4), bool))
+    ref = jax.nn.dot_product_attention(q[:, 1:], k, v, mask=hide_first[..., 1:, :])
+    np.testing.assert_allclose(out[:, 1:], ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[:, 0], 0.0)  # query 0 sees only key 0: hidden
+
+
+def test_decode_mask_equals_numpy():
+    starts, lengths, num_new = np.array([0, 3, 6]), np.array([2, 5, 8]), np.array([2, 2, 2])
+    q_len, kv_len, window = 3, 8, 1
+    got = kv.decode_mask(starts, lengths, q_len, kv_len, num_new=num_new, window=window)
+    assert got.shape == (3, 1, q_len, kv_len)
+    ref = np.zeros((3, q_len, kv_len), bool)
+    for b in range(3):
+        for t in range(q_len):
+            p = starts[b] + t
+            for j in range(kv_len):
+                ref[b, t, j] = (
+                    j < lengths[b] and t < num_new[b] and p < kv_len and p - window <= j <= p
+                )
+    np.testing.assert_array_equal(got[:, 0], ref)
+
+
+def test_attend_rejects_its_own_mask_arguments(rng):
+    q, k, v = qkv(rng, 2)
+    cache = kv.init_cache(B, CAP, K, D)
+    with pytest.raises(TypeError, match="builds the decoding mask itself"):
+        kv.update_and_attend(cache, q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="query must have shape"):
+        kv.attend(cache, q[0], starts=cache.lengths)
+
+
+def test_attention_keywords_pass_through(rng):
+    q, k, v = qkv(rng, 3)
+    cache = kv.init_cache(B, CAP, K, D)
+    (out, weights), _ = kv.update_and_attend(cache, q, k, v, return_weights=True, scale=0.5)
+    assert weights.shape == (B, H, 3, CAP)
+    np.testing.assert_array_equal(weights[..., 3:], 0.0)  # unfilled positions get no weight
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Capacity
+# ----------------------------------------------------------------------------------------
+
+
+def test_overflow_raises_in_eager_mode(rng):
+    q, k, v = qkv(rng, 5)
+    cache = kv.init_cache(B, 6, K, D)
+    _, cache = kv.update_and_attend(cache, q[:, :4], k[:, :4], v[:, :4])
+    with pytest.raises(ValueError, match=r"KV cache overflow.*capacity is 6"):
+        kv.update_and_attend(cache, q[:, :3], k[:, :3], v[:, :3])
+    # a chunk whose *padding* would not fit is fine: padding is never written
+    _, full = kv.update_and_attend(
+        cache, q[:, :3], k[:, :3], v[:, :3], num_new=jnp.array([2, 0, 1])
+    )
+    np.testing.assert_array_equal(full.lengths, [6, 4, 5])
+
+
+def test_overflow_under_jit_drops_writes_and_hides_those_queries(rng):
+    q, k, v = qkv(rng, 7)
+    cache = kv.init_cache(B, 6, K, D)
+    _, cache = kv.update_and_attend(cache, q[:, :4], k[:, :4], v[:, :4])
+    before = cache.keys
+    assert not bool(jnp.all(kv.fits(cache, 3)))
+    out, after = jax.jit(kv.update_and_attend)(cache, q[:, 4:], k[:, 4:], v[:, 4:])
+    # the two tokens that fit are written and correct; the third is dropped, not clamped
+    np.testing.assert_array_equal(after.lengths, [6, 6, 6])
+    np.testing.assert_array_equal(after.keys[:, :4], before[:, :4])
+    np.testing.assert_array_equal(after.keys[:, 4:6], k[:, 4:6])
+    np.testing.assert_allclose(out[:, :2], full_causal(q, k, v)[:, 4:6], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[:, 2], 0.0)
+
+
+def test_fits_per_row():
+    cache = kv.init_cache(2, 4, 1, 1)._replace(lengths=jnp.array([1, 3], jnp.int32))
+    np.testing.assert_array_equal(kv.fits(cache, 1), [True, True])
+    np.testing.assert_array_equal(kv.fits(cache, jnp.array([3, 2])), [True, False])
+
+
+# ----------------------------------------------------------------------------------------
+# Fixed shapes: the jitted step traces once
+# ----------------------------------------------------------------------------------------
+
+
+def test_jitted_decode_step_traces_once(rng):
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(cache, q, k, v):
+        return kv.update_and_attend(cache, q, k, v)
+
+    q, k, v = qkv(rng, 6)
+    cache = kv.init_cache(B, CAP, K, D)
+    for i in range(6):  # lengths change every call; shapes do not
+        _, cache = step(cache, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+    np.testing.assert_array_equal(cache.lengths, [6, 6, 6])
+
+
+def test_scan_carries_the_cache(rng):
+    q, k, v = qkv(rng, 5)
+
+    def body(cache, qkv_t):
+        out, cache = kv.update_and_attend(cache, *(x[:, None] for x in qkv_t))
+        return cache, out[:, 0]
+
+    # [T, B, ...] so scan walks the time axis
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+    cache, outs = jax.lax.scan(body, kv.init_cache(B, CAP, K, D), xs)
+    np.testing.assert_array_equal(cache.lengths, [5, 5, 5])
+    np.testing.assert_allclose(jnp.swapaxes(outs, 0, 1), full_causal(q, k, v), atol=1e-5, rtol=1e-5)
