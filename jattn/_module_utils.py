@@ -52,8 +52,12 @@ def check_config(
     dropout=0.0,
     num_heads=1,
     num_kv_heads=None,
+    split_d_out: bool = True,
 ) -> int:
     """Validates the book's constructor arguments; returns the number of key/value heads.
+
+    ``split_d_out``: d_out is split across the heads (MultiHeadAttention), so it must be
+    divisible by num_heads; the wrapper's d_out is per head (False).
 
     Raises:
       TypeError: a size that is not an int, a dropout that is not a number.
@@ -67,7 +71,7 @@ def check_config(
     if context_length is not None:
         _check_positive_int(context_length, "context_length", cls_name)
     check_dropout(dropout, cls_name)
-    if d_out % num_heads:
+    if split_d_out and d_out % num_heads:
         raise ValueError(
             f"{cls_name}: d_out ({d_out}) must be divisible by num_heads ({num_heads}): each "
             f"head gets d_out // num_heads features. Pick d_out a multiple of num_heads."

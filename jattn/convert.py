@@ -168,7 +168,24 @@ def _expected_params(module, d_in: int) -> dict:
     kwargs = {"deterministic": True} if hasattr(module, "dropout") else {}
     x = jax.ShapeDtypeStruct((1, d_in), jnp.float32)
     variables = jax.eval_shape(lambda x: module.init(jax.random.key(0), x, **kwargs), x)
-    return jax.tree.map(lambda s: s.shape, variables["params"])
+    return variables["params"]  # a tree of jax.ShapeDtypeStruct
+
+
+def _shape(leaf) -> tuple[int, ...]:
+    """Shape of an array or ShapeDtypeStruct; a tuple is taken to be a shape already."""
+    return (
+        leaf
+        if isinstance(leaf, tuple)
+        else tuple(np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape)
+    )
+
+
+def _torch_shapes(tree: Mapping) -> dict:
+    """Leaf shapes as PyTorch has them (``nn.Linear.weight`` is the transposed kernel)."""
+    flat = _flatten(tree)
+    return _unflatten(
+        {p: _shape(v)[::-1] if p[-1] == "kernel" else _shape(v) for p, v in flat.items()}
+    )
 
 
 def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -195,8 +212,8 @@ def _match_tree(got: Mapping, expected: Mapping, describe, what: str) -> None:
     """Raises a ValueError naming the first leaf missing, unexpected or of the wrong shape.
 
     Args:
-      got: nested dict of arrays (or shapes).
-      expected: nested dict of shapes (tuples).
+      got: nested dict of arrays or shapes (tuples).
+      expected: nested dict of arrays, ShapeDtypeStructs or shapes.
       describe: path tuple -> the key to name in messages.
       what: what ``got`` is, for messages.
     """
@@ -210,11 +227,10 @@ def _match_tree(got: Mapping, expected: Mapping, describe, what: str) -> None:
                 f"{what} has unexpected key {describe(path)}; the module has "
                 f"{sorted(describe(p) for p in exp_flat)}."
             )
-        shape = tuple(np.shape(value))
-        if shape != tuple(exp_flat[path]):
+        shape, expected_shape = _shape(value), _shape(exp_flat[path])
+        if shape != expected_shape:
             raise ValueError(
-                f"{what}[{describe(path)}] has shape {shape}, the module expects "
-                f"{tuple(exp_flat[path])}."
+                f"{what}[{describe(path)}] has shape {shape}, the module expects {expected_shape}."
             )
 
 
@@ -304,7 +320,12 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], module=None) -> dict:
     if module is not None:
         w_query = (params["heads_0"] if heads else params)["W_query"]
         d_in = np.shape(w_query if raw else w_query["kernel"])[0]
-        _match_tree(params, _expected_params(module, d_in), _torch_key, "state_dict")
+        _match_tree(
+            _torch_shapes(params),
+            _torch_shapes(_expected_params(module, d_in)),
+            _torch_key,
+            "state_dict",
+        )
     return {"params": jax.tree.map(jnp.asarray, params)}
 
 
@@ -343,8 +364,7 @@ def linen_to_nnx(variables: Mapping, module: nnx.Module) -> nnx.Module:
     params = _params_of(variables)
     state = nnx.state(module, nnx.Param)
     current = nnx.to_pure_dict(state)
-    expected = jax.tree.map(np.shape, current)
-    _match_tree(params, expected, "/".join, "variables['params']")
+    _match_tree(params, current, "/".join, "variables['params']")
     cast = jax.tree.map(lambda new, old: jnp.asarray(new, dtype=old.dtype), dict(params), current)
     nnx.replace_by_pure_dict(state, cast)
     nnx.update(module, state)

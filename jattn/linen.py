@@ -296,6 +296,7 @@ class MultiHeadAttentionWrapper(_Dropout):
             context_length=self.context_length,
             dropout=self.dropout,
             num_heads=self.num_heads,
+            split_d_out=False,  # the wrapper's d_out is per head
         )
         super().__post_init__()
 

@@ -379,6 +379,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
             context_length=context_length,
             dropout=dropout,
             num_heads=num_heads,
+            split_d_out=False,  # the wrapper's d_out is per head
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length, self.num_heads = context_length, num_heads

@@ -10,8 +10,14 @@ from flax import nnx
 from jattn import causality, convert
 from jattn import nnx as N
 
+# Every class once, with bias where it has one, plus grouped-query and leaky attention
+# (test_linen runs the whole FORWARD_CASES table against the book's forward passes).
+NNX_CASES = [Case(k, qkv_bias=k != "SelfAttentionV1") for k in CLASSES] + [
+    c for c in FORWARD_CASES if c.num_kv_heads == 2 or dict(c.extra).get("causal") is False
+][:2]
 
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=case_id)
+
+@pytest.mark.parametrize("case", NNX_CASES, ids=case_id)
 def test_equals_linen_and_the_book_with_the_same_weights(case, rng):
     sd = case.state_dict(rng)
     x = rng.normal(size=(2, 5, case.d_in)).astype(np.float32)
@@ -137,12 +143,6 @@ def test_nnx_jit_equals_eager_and_advances_the_stream(rng):
     first = forward(model, x)
     np.testing.assert_allclose(first, eager_model(x, deterministic=False), rtol=1e-6, atol=1e-6)
     assert not np.allclose(forward(model, x), first)  # the stored stream moved on
-    np.testing.assert_allclose(
-        nnx.jit(lambda m, x: m(x, deterministic=True))(model, x),
-        model(x, deterministic=True),
-        rtol=1e-6,
-        atol=1e-6,
-    )
 
 
 def test_vmap_equals_batched_call(rng):
