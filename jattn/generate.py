@@ -1,0 +1,304 @@
+"""Autoregressive generation: greedy, temperature and top-k sampling, with or without a KV cache.
+
+Two generators, the same sampling, the same keys, so they give the same tokens:
+
+* :func:`generate` runs the prompt once through the model (prefill), then feeds one
+  token per step, each step reading and extending the model's KV cache
+  (:mod:`jattn.kvcache`). One ``lax.scan``, one compilation per shape.
+* :func:`generate_recompute` reruns the model on the whole sequence for every new token,
+  the way chapter 4 of the book generates. It needs no cache, costs a full forward pass
+  per token, and is the reference the cached generator is tested and benchmarked against.
+
+Both are model-agnostic. The model comes in as a pure function of its parameters:
+
+* ``decode_fn(params, tokens [B, T], cache, num_new [B]) -> (logits [B, T, V], cache)``
+  runs a chunk of ``T`` tokens (the right-padded prompt, then ``T = 1``) with ``num_new[b]``
+  real tokens in row ``b``, and returns the logits and the extended cache (any pytree;
+  :class:`jattn.kvcache.KVCache` leaves in it get an eager capacity check);
+* ``forward_fn(params, tokens [B, S]) -> logits [B, S, V]``: a plain causal forward pass.
+
+Define these functions once (at module level or once per model): they are static jit
+arguments, hashed by identity, so a fresh lambda per call recompiles.
+
+Randomness is explicit: step ``i`` samples with ``jax.random.fold_in(key, i)``, so a key
+fixes the whole continuation, and ``temperature=0`` (greedy) needs no key.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import kvcache
+from jattn import masks as masks_lib
+
+__all__ = ["generate", "generate_recompute", "sample_next"]
+
+Array = jax.Array
+DecodeFn = Callable[[Any, Array, Any, Array], tuple[Array, Any]]
+ForwardFn = Callable[[Any, Array], Array]
+
+
+# ----------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------
+
+
+def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a float >= 0, got {temperature!r}.")
+    temperature = float(temperature)
+    if not temperature >= 0.0:  # also rejects NaN
+        raise ValueError(
+            f"temperature must be >= 0 (0 = greedy), got {temperature}. It divides the logits "
+            "before sampling: below 1 sharpens, above 1 flattens the distribution."
+        )
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}.")
+        top_k = int(top_k)
+    if temperature > 0.0 and key is None:
+        raise ValueError(
+            f"sampling with temperature={temperature} needs a random key: pass "
+            "key=jax.random.key(seed), or temperature=0.0 for greedy decoding."
+        )
+    return temperature, top_k
+
+
+def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, top_k=None):
+    """Picks one token per row from next-token logits.
+
+    ``temperature == 0``: the argmax (greedy; ``key`` and ``top_k`` are not used).
+    Otherwise, as the book's chapter 5: keep the ``top_k`` largest logits (all of them when
+    None; ties with the k-th are kept), divide by ``temperature``, sample from the softmax.
+
+    Args:
+      logits: ``[batch..., vocab]`` float.
+      key: ``jax.random`` key; required when ``temperature > 0``.
+      temperature: float >= 0 (static).
+      top_k: int >= 1 or None (static).
+
+    Returns:
+      int32 ``[batch...]`` token ids.
+    """
+    temperature, top_k = _check_sampling(temperature, top_k, key)
+    # [batch..., V] in float32: sampling should not depend on a bfloat16 rounding.
+    logits = jnp.asarray(logits).astype(jnp.promote_types(jnp.asarray(logits).dtype, jnp.float32))
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if top_k is not None and top_k < logits.shape[-1]:
+        # [batch..., 1]: the k-th largest logit; everything below it is hidden.
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(
+            logits < kth, masks_lib.large_negative(logits.dtype), logits / temperature
+        )
+    else:
+        logits = logits / temperature
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------
+# Argument checks shared by both generators
+# ----------------------------------------------------------------------------------------
+
+
+def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]:
+    prompt = jnp.asarray(prompt)
+    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(
+            f"prompt must be int token ids [batch, prompt_len], got {prompt.dtype} {prompt.shape}."
+            " Add a batch axis with prompt[None] for a single sequence."
+        )
+    if prompt.shape[1] < 1:
+        raise ValueError("prompt must hold at least one token per row (prompt_len >= 1).")
+    masks_lib._check_size(max_new_tokens, "max_new_tokens")
+    batch, prompt_len = prompt.shape
+    if prompt_lengths is None:
+        lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    else:
+        lengths = jnp.asarray(prompt_lengths)
+        if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(
+                f"prompt_lengths must be int [batch] = ({batch},) (real tokens of each "
+                f"right-padded prompt row), got {lengths.dtype} {lengths.shape}."
+            )
+        lengths = lengths.astype(jnp.int32)
+        if not isinstance(lengths, jax.core.Tracer):
+            n = np.asarray(lengths)
+            if n.min() < 1 or n.max() > prompt_len:
+                raise ValueError(
+                    f"prompt_lengths must be in [1, {prompt_len}] (prompt_len), got {n.tolist()}."
+                )
+    return prompt.astype(jnp.int32), lengths
+
+
+def _check_cache_room(cache, lengths: Array, max_new_tokens: int) -> None:
+    """Eager check: every KVCache in ``cache`` can take the prompt and the new tokens."""
+    caches = [
+        c
+        for c in jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, kvcache.KVCache))
+        if isinstance(c, kvcache.KVCache)
+    ]
+    if isinstance(lengths, jax.core.Tracer):
+        return
+    # The last new token is sampled but never fed back, so it takes no cache slot.
+    need = np.asarray(lengths) + max_new_tokens - 1
+    for c in caches:
+        if isinstance(c.lengths, jax.core.Tracer):
+            continue
+        total = np.asarray(c.lengths).reshape(-1) + need.reshape(-1)
+        if total.max() > kvcache.capacity(c):
+            raise ValueError(
+                f"the KV cache holds {kvcache.capacity(c)} positions per row, but a row needs "
+                f"{int(total.max())} (already filled + prompt + max_new_tokens - 1). Build the "
+                "cache with a larger capacity or ask for fewer tokens."
+            )
+
+
+# ----------------------------------------------------------------------------------------
+# Generators
+# ----------------------------------------------------------------------------------------
+
+
+@partial(jax.jit, static_argnames=("decode_fn", "max_new_tokens", "temperature", "top_k"))
+def _generate(
+    decode_fn, params, cache, prompt, lengths, key, *, max_new_tokens, temperature, top_k
+):
+    sample = partial(sample_next, temperature=temperature, top_k=top_k)
+    # Prefill: [B, P, V]; row b's next token comes from its last real position.
+    logits, cache = decode_fn(params, prompt, cache, lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    first = sample(last, jax.random.fold_in(key, 0))
+    ones = jnp.ones_like(lengths)
+
+    def step(carry, i):
+        token, cache = carry
+        # [B, 1] -> [B, 1, V]
+        logits, cache = decode_fn(params, token[:, None], cache, ones)
+        token = sample(logits[:, -1], jax.random.fold_in(key, i))
+        return (token, cache), token
+
+    _, rest = jax.lax.scan(step, (first, cache), jnp.arange(1, max_new_tokens))
+    # [B, 1] + [B, N - 1]
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def generate(
+    decode_fn: DecodeFn,
+    params,
+    cache,
+    prompt,
+    prompt_lengths=None,
+    *,
+    max_new_tokens: int,
+    key: Array | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+) -> Array:
+    """Generates ``max_new_tokens`` tokens per row with a KV cache, in one jitted ``lax.scan``.
+
+    Args:
+      decode_fn: ``(params, tokens [B, T], cache, num_new [B]) -> (logits [B, T, V], cache)``
+        (see the module docstring); a static argument.
+      params: the model parameters (any pytree; traced, not baked into the program).
+      cache: the model's empty (or partly filled) cache pytree, e.g. a Linen model's
+        ``'cache'`` collection; it must hold ``prompt_lengths + max_new_tokens - 1`` more
+        positions per row (checked eagerly for :class:`jattn.kvcache.KVCache` leaves).
+      prompt: int ``[B, P]``, each row right-padded after its real tokens.
+      prompt_lengths: int ``[B]``: real tokens per row, in ``[1, P]``; default ``P``.
+      max_new_tokens: tokens to generate per row (>= 1).
+      key: ``jax.random`` key; required when ``temperature > 0``.
+      temperature: 0 for greedy decoding, else the sampling temperature.
+      top_k: sample among the ``top_k`` most likely tokens only (None: all).
+
+    Returns:
+      int32 ``[B, max_new_tokens]``: the continuation of each row's real prompt.
+    """
+    temperature, top_k = _check_sampling(temperature, top_k, key)
+    prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
+    _check_cache_room(cache, lengths, max_new_tokens)
+    return _generate(
+        decode_fn,
+        params,
+        cache,
+        prompt,
+        lengths,
+        jax.random.key(0) if key is None else key,  # unused when greedy
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+    )
+
+
+@partial(jax.jit, static_argnames=("forward_fn", "max_new_tokens", "temperature", "top_k"))
+def _generate_recompute(
+    forward_fn, params, prompt, lengths, key, *, max_new_tokens, temperature, top_k
+):
+    batch, prompt_len = prompt.shape
+    # The last new token is never read back, so the window stops one short of the end.
+    window = prompt_len + max_new_tokens - 1
+    # [B, P + N]: the prompt (its padding is overwritten as tokens come in), then room.
+    buffer = (
+        jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32).at[:, :prompt_len].set(prompt)
+    )
+    rows = jnp.arange(batch)
+
+    def step(i, buffer):
+        # [B, window, V]: the whole sequence again, for one new token per row.
+        logits = forward_fn(params, buffer[:, :window])
+        pos = lengths + i  # [B]: where the new token goes; its logits sit one before
+        token = sample_next(
+            logits[rows, pos - 1], jax.random.fold_in(key, i), temperature=temperature, top_k=top_k
+        )
+        return buffer.at[rows, pos].set(token)
+
+    buffer = jax.lax.fori_loop(0, max_new_tokens, step, buffer)
+    # [B, N]: each row's continuation, starting right after its real prompt.
+    cols = lengths[:, None] + jnp.arange(max_new_tokens)
+    return jnp.take_along_axis(buffer, cols, axis=1)
+
+
+def generate_recompute(
+    forward_fn: ForwardFn,
+    params,
+    prompt,
+    prompt_lengths=None,
+    *,
+    max_new_tokens: int,
+    key: Array | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+) -> Array:
+    """The reference generator: a full forward pass over the sequence for every new token.
+
+    As chapter 4 of the book, but with a fixed-size window so one compilation serves every
+    step: the model reads ``P + max_new_tokens - 1`` tokens each time, positions not
+    generated yet hold stale tokens, and a causal model never looks at them.
+
+    Args:
+      forward_fn: ``(params, tokens [B, S]) -> logits [B, S, V]``, causal; a static argument.
+      params, prompt, prompt_lengths, max_new_tokens, key, temperature, top_k: as
+        :func:`generate`; ``P + max_new_tokens - 1`` must fit the model's context.
+
+    Returns:
+      int32 ``[B, max_new_tokens]``, the same tokens :func:`generate` gives for a model
+      whose cached and uncached logits agree.
+    """
+    temperature, top_k = _check_sampling(temperature, top_k, key)
+    prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
+    return _generate_recompute(
+        forward_fn,
+        params,
+        prompt,
+        lengths,
+        jax.random.key(0) if key is None else key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+    )
