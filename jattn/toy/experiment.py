@@ -1,0 +1,359 @@
+"""One experiment: the same model, data and seed trained with and without the causal mask.
+
+:func:`run_experiment` is what ``train_toy.py`` calls: it trains each run (resuming from
+its checkpoints if asked), measures the four numbers of the demo, and writes
+``config.json``, ``metrics.jsonl``, ``summary.json``, ``loss.png`` and ``attention.png``
+under the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import causality
+from jattn.toy.data import stream_key
+from jattn.toy.generate import generation_accuracy
+from jattn.toy.model import GPTConfig, TinyGPT
+from jattn.toy.plots import plot_attention, plot_losses
+from jattn.toy.train import Checkpointer, TrainConfig, init_state, mean_loss, train
+
+__all__ = [
+    "RUNS",
+    "MetricsLog",
+    "OutputFolderError",
+    "attention_weights",
+    "evaluate",
+    "run_experiment",
+]
+
+RUNS = {"causal": True, "leaky": False}
+"""Run name -> ``causal`` flag of the model; nothing else differs between runs."""
+
+SUMMARY_KEYS = (
+    "train_loss",
+    "eval_loss",
+    "future_leak",
+    "generation_accuracy",
+    "steps",
+    "seconds",
+    "tokens_per_second",
+)
+
+
+class OutputFolderError(ValueError):
+    """The output folder does not fit the request: occupied, or no matching run to resume."""
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per line, tagged with its run."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def truncate(self, run: str, step: int) -> None:
+        """Drops ``run``'s records after ``step`` (a resumed run rewrites them)."""
+        kept = [r for r in self.read() if r["run"] != run or r["step"] <= step]
+        with self.path.open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def append(self, run: str, records: Sequence[dict]) -> None:
+        with self.path.open("a") as f:
+            f.writelines(json.dumps({"run": run, **r}) + "\n" for r in records)
+
+
+def _train_windows(task, steps: int, num: int) -> jax.Array:
+    """The last ``num`` training windows the run saw (``[num, T+1]``)."""
+    first = max(0, steps - math.ceil(num / task.batch_size))
+    windows = jnp.concatenate([task.train_batch(s) for s in range(first, steps)])
+    return windows[-num:]
+
+
+def future_leak(model: TinyGPT, variables, tokens_BxT, *, vocab_size: int, key) -> float:
+    """Largest change of the logits at any position ``< j`` when token ``j`` changes, over ``j``.
+
+    Runs :func:`jattn.causality.future_leak` (method ``'perturbation'``) on a pair
+    ``[2, B, T]``: the original windows and a copy in which the probe replaces token ``j``
+    by another token. The function measured returns ``logits(copy) - logits(original)``
+    from *one* batched call, so both sides come from the same compiled program: comparing
+    against a separately compiled call (which XLA may round differently, ~1e-6) would
+    blur the exact zero of a causal model.
+
+    Args:
+      model: the model; ``variables`` its ``{'params': ...}``.
+      tokens_BxT: int ``[B, T]`` held-out inputs.
+      vocab_size: replacement tokens are drawn from ``[0, vocab_size)``, never equal to
+        the token they replace.
+      key: random key of the replacements.
+
+    Returns:
+      ``max_{i < j} |logits(x with token j changed)[i] - logits(x)[i]|``; exactly 0.0
+      for a causal model.
+    """
+    batch, length = tokens_BxT.shape
+
+    def logits_diff(pair_2xBxT):
+        # [2B, T] -> [2, B, T, V]: both halves in one call
+        logits = model.apply(variables, pair_2xBxT.reshape(2 * batch, length), deterministic=True)
+        logits = logits.reshape(2, batch, length, -1)
+        return logits[1] - logits[0]  # [B, T, V]
+
+    def change_copy(pair_Tx2xB, j):
+        # A shift in [1, vocab_size) guarantees a different token in every window.
+        shift = jax.random.randint(jax.random.fold_in(key, j), (batch,), 1, vocab_size)
+        changed = (pair_Tx2xB[j, 1] + shift.astype(pair_Tx2xB.dtype)) % vocab_size
+        return pair_Tx2xB.at[j, 1].set(changed)
+
+    pair = jnp.stack([tokens_BxT, tokens_BxT])  # [2, B, T]
+    return causality.future_leak(
+        jax.jit(logits_diff),
+        pair,
+        method="perturbation",
+        in_axis=-1,
+        out_axis=-2,
+        perturb=change_copy,
+    )
+
+
+def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int, steps: int) -> dict:
+    """The demo's measurements of a trained model (dropout off everywhere).
+
+    Args:
+      model: the trained model.
+      variables: its ``{'params': ...}``.
+      task: the data task.
+      eval_windows: held-out windows ``[N, T+1]``.
+      seed: the run's seed (for the perturbation probe's key).
+      steps: updates done (picks the training windows for ``train_loss``).
+
+    Returns:
+      ``train_loss`` (the last ``N`` training windows), ``eval_loss`` (held-out),
+      ``future_leak`` (largest change of the logits at positions ``< j`` when token ``j``
+      of a held-out window changes; exactly 0 for a causal model) and
+      ``generation_accuracy`` (greedy generation after the prompt), plus ``generated``:
+      the continuations ``[N, M]``.
+    """
+    num = eval_windows.shape[0]
+    train_loss = mean_loss(model, variables, _train_windows(task, steps, num))
+    eval_loss = mean_loss(model, variables, eval_windows)
+    leak = future_leak(
+        model,
+        variables,
+        eval_windows[:8, :-1],  # [8, T]: the probe changes one position at a time
+        vocab_size=task.vocab_size,
+        key=stream_key(seed, "probe"),
+    )
+    accuracy, generated = generation_accuracy(model, variables, eval_windows, task.prompt_len)
+    return {
+        "train_loss": float(train_loss),
+        "eval_loss": float(eval_loss),
+        "future_leak": float(leak),
+        "generation_accuracy": accuracy,
+        "generated": np.asarray(generated),
+    }
+
+
+def attention_weights(model: TinyGPT, variables, tokens_T) -> list[np.ndarray]:
+    """Every block's attention weights ``[num_heads, T, T]`` for one sequence ``tokens [T]``."""
+    _, state = model.apply(
+        variables, tokens_T[None], deterministic=True, sow_attention=True, mutable=["intermediates"]
+    )
+    blocks = state["intermediates"]
+    return [
+        np.asarray(blocks[f"blocks_{i}"]["attn"]["attention_weights"][0][0])
+        for i in range(model.config.num_layers)
+    ]
+
+
+def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """``'key: old -> new'`` for every (nested) setting that differs."""
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k), current.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def _check_config(out: Path, record: dict, resume: bool) -> None:
+    path = out / "config.json"
+    if resume:
+        if not path.exists():
+            raise OutputFolderError(
+                f"--resume: {out} holds no run (no config.json); drop --resume."
+            )
+        changed = _differences(json.loads(path.read_text()), record)
+        if changed:
+            raise OutputFolderError(
+                f"--resume: the settings differ from the run in {out} ({'; '.join(changed)}); "
+                "resume with the original flags."
+            )
+        return
+    if path.exists() or (out / "checkpoints").exists():
+        raise OutputFolderError(
+            f"{out} already holds a run; pass --resume to continue it or choose another --out."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _labels(task, tokens) -> list[str]:
+    names = task.token_labels()
+    return [names[int(t)] for t in np.asarray(tokens)]
+
+
+def run_experiment(
+    task,
+    model_config: GPTConfig,
+    train_config: TrainConfig,
+    *,
+    out_dir,
+    runs: Sequence[str] = ("causal", "leaky"),
+    resume: bool = False,
+    progress: bool = True,
+    until: int | None = None,
+    num_eval: int = 256,
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """Trains and measures each run; writes the results under ``out_dir``.
+
+    Args:
+      task: a :mod:`jattn.toy.data` task.
+      model_config: the model sizes (its ``causal`` flag is set per run).
+      train_config: optimization settings (the same for every run).
+      out_dir: output folder (created).
+      runs: names from :data:`RUNS`, trained in this order.
+      resume: continue from the checkpoints in ``out_dir`` (the settings must match).
+      progress: show a tqdm progress bar per run.
+      until: stop every run after this many updates (a later ``resume=True`` call
+        finishes it, ending exactly where an uninterrupted run ends).
+      num_eval: held-out windows for the measurements.
+      echo: where one-line messages go.
+
+    Returns:
+      The summary written to ``summary.json``.
+    """
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or not runs or len(set(runs)) != len(runs):
+        raise ValueError(f"runs must be distinct names from {sorted(RUNS)}, got {list(runs)}.")
+    out = Path(out_dir)
+    model_record = {k: v for k, v in dataclasses.asdict(model_config).items() if k != "causal"}
+    record = {
+        "task": task.describe(),
+        "model": model_record,
+        "train": dataclasses.asdict(train_config),
+        "runs": list(runs),
+    }
+    _check_config(out, record, resume)
+    log = MetricsLog(out / "metrics.jsonl")
+    eval_windows = task.eval_set(num_eval)
+    tokens_per_step = task.batch_size * (eval_windows.shape[1] - 1)
+    results, attention, samples = {}, {}, {}
+    for name in runs:
+        model = TinyGPT(dataclasses.replace(model_config, causal=RUNS[name]))
+        ckpt = Checkpointer(out / "checkpoints" / name)
+        state = init_state(model.config, train_config)
+        seconds_before = 0.0
+        if resume and ckpt.latest_step() is not None:
+            state, saved = ckpt.restore(state)
+            seconds_before = saved["seconds"]
+            echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
+        start = int(state.step)
+        log.truncate(name, start)
+        results[name] = _train_one(
+            name, model, task, train_config, state, ckpt, log,
+            eval_windows=eval_windows, seconds_before=seconds_before, tokens_per_step=tokens_per_step,
+            until=until, progress=progress,
+        )  # fmt: skip
+        variables = results[name].pop("variables")
+        attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
+        samples[name] = results[name].pop("generated")[0]
+        ckpt.close()
+
+    summary = {
+        "task": task.name,
+        "entropy_floor": task.entropy_floor,
+        "platform": jax.default_backend(),
+        "devices": jax.device_count(),
+        "task_config": record["task"],
+        "model": model_record,
+        "train": record["train"],
+        "runs": results,
+        "sample": {
+            "prompt": " ".join(_labels(task, eval_windows[0, : task.prompt_len])),
+            "reference": " ".join(_labels(task, eval_windows[0, task.prompt_len :])),
+            **{name: " ".join(_labels(task, s)) for name, s in samples.items()},
+        },
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    floor_text = "" if task.entropy_floor is None else f", floor {task.entropy_floor:.3f} nats"
+    plot_losses(
+        log.read(), task.entropy_floor, out / "loss.png", title=f"{task.name} task{floor_text}"
+    )
+    plot_attention(attention, _labels(task, eval_windows[0, :-1]), out / "attention.png")
+    return summary
+
+
+def _train_one(
+    name, model, task, cfg, state, ckpt, log, *, eval_windows, seconds_before, tokens_per_step,
+    until, progress,
+) -> dict:  # fmt: skip
+    """Trains one run from ``state`` and measures it; returns its summary entry."""
+    from tqdm.auto import tqdm
+
+    start = int(state.step)
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"{name:>6}", disable=not progress, leave=True)
+    t0 = time.perf_counter()
+    last = [t0, start]
+
+    def on_log(records):
+        log.append(name, records)
+        now, done = time.perf_counter(), records[-1]["step"]
+        rate = (done - last[1]) * tokens_per_step / max(now - last[0], 1e-9)
+        last[:] = [now, done]
+        bar.update(len(records))
+        bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+
+    def on_eval(step, state):
+        loss = mean_loss(model, {"params": state.params}, eval_windows)
+        log.append(name, [{"step": step, "eval_loss": float(loss)}])
+
+    def on_checkpoint(state):
+        ckpt.save(state, {"seconds": seconds_before + time.perf_counter() - t0})
+
+    state, seconds = train(
+        model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
+        on_checkpoint=on_checkpoint,
+    )  # fmt: skip
+    bar.close()
+    steps = int(state.step)
+    seconds += seconds_before
+    variables = {"params": state.params}
+    measured = evaluate(model, variables, task, eval_windows, seed=cfg.seed, steps=steps)
+    return {
+        **{
+            k: measured[k]
+            for k in ("train_loss", "eval_loss", "future_leak", "generation_accuracy")
+        },
+        "steps": steps,
+        "seconds": seconds,
+        "tokens_per_second": steps * tokens_per_step / seconds if seconds > 0 else 0.0,
+        "generated": measured["generated"],
+        "variables": variables,
+    }

@@ -1,0 +1,128 @@
+"""A tiny GPT built from jattn's Linen ``MultiHeadAttention``, the way a user would build one.
+
+token + position embeddings -> ``num_layers`` pre-LayerNorm blocks
+(``x + MHA(LN(x))``, ``x + MLP(LN(x))``) -> final LayerNorm -> vocabulary head.
+
+The only difference between the demo's "causal" and "leaky" models is
+``GPTConfig.causal``, passed straight to ``MultiHeadAttention(causal=...)``: both have the
+same parameter tree, so the same seed gives them the same initial weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jattn.linen import MultiHeadAttention
+
+__all__ = ["GPTConfig", "TinyGPT", "init_variables"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the tiny GPT (frozen, so it can be a static jit argument).
+
+    Attributes:
+      vocab_size: number of token ids.
+      context_length: the most tokens the model reads (size of the position table).
+      d_model: width of the residual stream (a multiple of ``num_heads``).
+      num_layers: number of transformer blocks.
+      num_heads: attention heads per block.
+      mlp_ratio: hidden width of the MLP is ``mlp_ratio * d_model`` (4, as GPT-2).
+      dropout: rate of attention-weight dropout and of residual/embedding dropout.
+      causal: False removes the causal mask in every block (the "leaky" model).
+    """
+
+    vocab_size: int
+    context_length: int
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+    causal: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be a multiple of num_heads ({self.num_heads})."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}.")
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: attention then MLP, each added to the residual."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, *, deterministic: bool, sow_attention: bool = False):
+        cfg = self.config
+        # [B, T, D] -> [B, T, D]; dropout on the attention weights happens inside.
+        h_BxTxD = MultiHeadAttention(
+            cfg.d_model,
+            cfg.context_length,
+            cfg.dropout,
+            cfg.num_heads,
+            causal=cfg.causal,
+            name="attn",
+        )(
+            nn.LayerNorm(name="ln_attn")(x_BxTxD),
+            deterministic=deterministic,
+            sow_weights=sow_attention,
+        )
+        x_BxTxD = x_BxTxD + nn.Dropout(cfg.dropout)(h_BxTxD, deterministic=deterministic)
+        # [B, T, D] -> [B, T, mlp_ratio * D] -> [B, T, D]
+        h_BxTxF = nn.Dense(cfg.mlp_ratio * cfg.d_model, name="mlp_in")(
+            nn.LayerNorm(name="ln_mlp")(x_BxTxD)
+        )
+        h_BxTxD = nn.Dense(cfg.d_model, name="mlp_out")(nn.gelu(h_BxTxF))
+        return x_BxTxD + nn.Dropout(cfg.dropout)(h_BxTxD, deterministic=deterministic)
+
+
+class TinyGPT(nn.Module):
+    """Next-token model: ``tokens [batch..., T]`` (int) -> ``logits [batch..., T, vocab_size]``.
+
+    Call with ``deterministic=False`` and ``rngs={'dropout': key}`` for training;
+    ``deterministic=True`` (the default) for evaluation and generation. With
+    ``sow_attention=True`` and ``mutable=['intermediates']`` every block's attention
+    weights ``[batch..., num_heads, T, T]`` are sown under
+    ``intermediates/blocks_{i}/attn/attention_weights``.
+    """
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT, *, deterministic: bool = True, sow_attention: bool = False):
+        cfg = self.config
+        t = tokens_BxT.shape[-1]
+        if t > cfg.context_length:
+            raise ValueError(
+                f"TinyGPT got {t} tokens but context_length is {cfg.context_length}; pass at "
+                f"most the last {cfg.context_length} tokens."
+            )
+        # [B, T, D]: token embedding plus a learned embedding of the position.
+        x_BxTxD = nn.Embed(cfg.vocab_size, cfg.d_model, name="tok_emb")(tokens_BxT)
+        x_BxTxD = x_BxTxD + nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(jnp.arange(t))
+        x_BxTxD = nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
+        for i in range(cfg.num_layers):
+            x_BxTxD = Block(cfg, name=f"blocks_{i}")(
+                x_BxTxD, deterministic=deterministic, sow_attention=sow_attention
+            )
+        # [B, T, D] -> [B, T, V]
+        x_BxTxD = nn.LayerNorm(name="ln_final")(x_BxTxD)
+        return nn.Dense(cfg.vocab_size, use_bias=False, name="head")(x_BxTxD)
+
+
+def init_variables(config: GPTConfig, key: jax.Array) -> dict:
+    """Initial ``{'params': ...}`` of :class:`TinyGPT`; independent of ``config.causal``."""
+    tokens = jnp.zeros((1, config.context_length), jnp.int32)
+    return TinyGPT(config).init({"params": key}, tokens, deterministic=True)

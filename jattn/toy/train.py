@@ -1,0 +1,307 @@
+"""Training pieces of the toy demo: optimizer, state, the jitted step, losses, checkpoints.
+
+Kept apart from the model and the data so each can change alone (a sharded step, say,
+reuses :func:`loss_and_grads`' caller unchanged).
+
+Reproducibility: everything random comes from the run's seed (see
+:data:`jattn.toy.data.STREAMS`). The batch of step ``s`` is ``task.train_batch(s)`` and
+its dropout key is ``fold_in(dropout_key, s)``, so a run resumed from a checkpoint at
+step ``k`` computes exactly the steps ``k, k+1, ...`` an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jattn.toy.data import stream_key
+from jattn.toy.model import GPTConfig, init_variables
+
+__all__ = [
+    "Checkpointer",
+    "TrainConfig",
+    "TrainState",
+    "init_state",
+    "make_optimizer",
+    "make_train_step",
+    "mean_loss",
+    "next_token_loss",
+    "train",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimization settings.
+
+    Attributes:
+      steps: number of optimizer updates.
+      learning_rate: peak learning rate of AdamW.
+      warmup_steps: linear warmup from 0 to the peak (default: 5% of ``steps``); then
+        cosine decay to ``end_lr_fraction * learning_rate`` at ``steps``.
+      end_lr_fraction: final learning rate as a share of the peak.
+      weight_decay: AdamW decoupled weight decay, on matrices only (not on biases and
+        LayerNorm scales).
+      clip_norm: gradients are clipped to this global norm.
+      seed: seeds the initial weights and dropout (the data has its own seed in the task).
+      checkpoint_every: save a checkpoint every this many steps (and at the end).
+      eval_every: held-out loss every this many steps (and at the end), for the curves.
+      log_every: fetch losses to the host every this many steps (progress bar, metrics.jsonl).
+    """
+
+    steps: int = 1000
+    learning_rate: float = 3e-3
+    warmup_steps: int | None = None
+    end_lr_fraction: float = 0.1
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 500
+    eval_every: int = 50
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("steps", "checkpoint_every", "eval_every", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", self.steps // 20)
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(
+                f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}."
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+        if not 0 <= self.end_lr_fraction <= 1:
+            raise ValueError(f"end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}.")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}.")
+        if not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}.")
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes; a pytree, so it is jitted, donated and saved whole.
+
+    Attributes:
+      step: int32 ``[]``, updates done so far (also the data position).
+      params: the model parameters.
+      opt_state: the optimizer state.
+      dropout_key: uint32 key data of the run's dropout stream (raw, so any checkpoint
+        format can store it); step ``s`` uses ``fold_in(dropout_key, s)``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    dropout_key: jax.Array
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Gradient clipping, then AdamW with linear warmup and cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.steps,
+        end_value=cfg.learning_rate * cfg.end_lr_fraction,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(
+            schedule,
+            b1=0.9,
+            b2=0.95,  # GPT-style: adapts faster to the loss drops of small models
+            weight_decay=cfg.weight_decay,
+            # Decay matrices (kernels, embeddings); leave biases and LayerNorm scales alone.
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
+
+
+def learning_rate(cfg: TrainConfig, step) -> jax.Array:
+    """The learning rate used by the update of step ``step`` (for logging)."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.learning_rate * cfg.end_lr_fraction
+    )(step)
+
+
+def init_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
+    """Step 0: initial parameters from the seed's ``init`` stream and a fresh optimizer."""
+    params = init_variables(model_cfg, stream_key(cfg.seed, "init"))["params"]
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=make_optimizer(cfg).init(params),
+        dropout_key=jax.random.key_data(stream_key(cfg.seed, "dropout")),
+    )
+
+
+def next_token_loss(logits_BxTxV, targets_BxT) -> jax.Array:
+    """Mean cross-entropy (nats) of ``logits [B, T, V]`` against int ``targets [B, T]``."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV.astype(jnp.float32), targets_BxT
+    ).mean()
+
+
+def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
+    """The jitted update ``(state, windows [B, T+1]) -> (state, metrics)``.
+
+    The state is donated (its buffers are reused for the new state), so the caller must
+    not touch the old state after the call. ``metrics`` holds the step's training loss
+    (dropout on), the gradient norm before clipping and the learning rate.
+    """
+    tx = make_optimizer(cfg)
+
+    def step_fn(state: TrainState, windows_BxT1):
+        inputs_BxT, targets_BxT = windows_BxT1[:, :-1], windows_BxT1[:, 1:]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.dropout_key), state.step)
+
+        def loss_of(params):
+            logits = model.apply(
+                {"params": params}, inputs_BxT, deterministic=False, rngs={"dropout": key}
+            )
+            return next_token_loss(logits, targets_BxT)
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "lr": learning_rate(cfg, state.step),
+        }
+        return new_state, metrics
+
+    return jax.jit(step_fn, donate_argnums=0)
+
+
+@jax.jit(static_argnames="model")
+def mean_loss(model: nn.Module, variables, windows_BxT1) -> jax.Array:
+    """Mean next-token loss of ``windows [B, T+1]`` with dropout off."""
+    logits = model.apply(variables, windows_BxT1[:, :-1], deterministic=True)
+    return next_token_loss(logits, windows_BxT1[:, 1:])
+
+
+class Checkpointer:
+    """Orbax checkpoints of a :class:`TrainState` (plus a small JSON record) in one folder.
+
+    Writes are synchronous: the next train step donates the state's buffers, so a save
+    must be finished with them before it returns.
+    """
+
+    def __init__(self, directory, *, keep: int = 2):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=False
+            ),
+            item_names=("state", "record"),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, state: TrainState, record: dict) -> None:
+        ocp = self._ocp
+        self._manager.save(
+            int(state.step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """The checkpoint at ``step`` (default: the latest), shaped like ``like``."""
+        ocp = self._ocp
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        out = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()
+            ),
+        )
+        return out["state"], dict(out["record"])
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def train(
+    model: nn.Module,
+    task,
+    cfg: TrainConfig,
+    state: TrainState,
+    *,
+    until: int | None = None,
+    on_log: Callable[[list[dict]], None] | None = None,
+    on_eval: Callable[[int, TrainState], None] | None = None,
+    on_checkpoint: Callable[[TrainState], None] | None = None,
+) -> tuple[TrainState, float]:
+    """Runs the updates ``state.step .. until - 1`` (default: to ``cfg.steps``).
+
+    Args:
+      model: the :class:`TinyGPT` to train.
+      task: a data task (``train_batch(step)``).
+      cfg: the training settings.
+      state: the state to start from (consumed: its buffers are donated).
+      until: stop after this many updates in total (``<= cfg.steps``); a later call
+        with the returned state continues exactly where this one stopped.
+      on_log: gets the per-step records ``{'step', 'loss', 'grad_norm', 'lr'}`` every
+        ``cfg.log_every`` steps (and at the end).
+      on_eval: called as ``on_eval(step, state)`` every ``cfg.eval_every`` steps and at
+        ``cfg.steps``.
+      on_checkpoint: called with the state every ``cfg.checkpoint_every`` steps and at
+        ``until``.
+
+    Returns:
+      ``(state, seconds)``: the final state and the wall time of the loop.
+    """
+    until = cfg.steps if until is None else until
+    train_step = make_train_step(model, cfg)
+    start = int(state.step)
+    pending: list[tuple[int, dict]] = []
+    t0 = time.perf_counter()
+    for s in range(start, until):
+        state, metrics = train_step(state, task.train_batch(s))
+        done = s + 1
+        if on_log is not None:
+            pending.append((done, metrics))
+        if pending and (done % cfg.log_every == 0 or done == until):
+            host = jax.device_get([m for _, m in pending])
+            on_log(
+                [
+                    {"step": d, **{k: float(v) for k, v in m.items()}}
+                    for (d, _), m in zip(pending, host, strict=True)
+                ]
+            )
+            pending = []
+        if on_eval is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            on_eval(done, state)
+        if on_checkpoint is not None and (done % cfg.checkpoint_every == 0 or done == until):
+            on_checkpoint(state)
+    jax.block_until_ready(state)
+    return state, time.perf_counter() - t0

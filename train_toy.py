@@ -1,0 +1,263 @@
+"""Train a tiny GPT on next-token prediction with and without the causal mask.
+
+    python train_toy.py                      # copy task, runs "causal" and "leaky"
+    python train_toy.py --text notes.txt     # character-level on your own text
+    python train_toy.py --out runs/a --resume
+
+The causal model learns what can be learned from the past and nothing more: its loss
+stops at the task's entropy floor and it generates the copy correctly. The leaky model
+(the same model without the mask) reads the answer from the future: its training loss
+drops far below the floor, and it fails when it must generate. See jattn/toy/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)" noise
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _float_in(low: float, high: float, *, high_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low <= value < high if high_open else low <= value <= high):
+            bracket = ")" if high_open else "]"
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}{bracket}, got {value}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="train_toy.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=_Formatter,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--text", metavar="PATH", help="train character-level on this UTF-8 text "
+                   "file instead of the copy task (entropy floor unknown)")  # fmt: skip
+    g.add_argument("--num-symbols", type=_int_at_least(2), metavar="N", default=16,
+                   help="copy task: alphabet size of the random prefix")  # fmt: skip
+    g.add_argument("--prefix-len", type=_int_at_least(1), metavar="N", default=16,
+                   help="copy task: prefix length L (the model reads 2L tokens)")  # fmt: skip
+    g.add_argument("--context-length", type=_int_at_least(2), metavar="N", default=64,
+                   help="text task: tokens the model reads")  # fmt: skip
+    g.add_argument(
+        "--batch-size", type=_int_at_least(1), metavar="N", default=32, help="windows per step"
+    )
+
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--d-model", type=_int_at_least(1), metavar="N", default=64, help="residual width"
+    )
+    g.add_argument(
+        "--num-layers", type=_int_at_least(1), metavar="N", default=2, help="transformer blocks"
+    )
+    g.add_argument(
+        "--num-heads", type=_int_at_least(1), metavar="N", default=4, help="attention heads"
+    )
+    g.add_argument("--dropout", type=_float_in(0.0, 1.0, high_open=True), metavar="X", default=0.1,
+                   help="dropout rate (attention weights, residual, embeddings) in training")  # fmt: skip
+
+    g = p.add_argument_group("training")
+    g.add_argument("--runs", metavar="NAMES", default="causal,leaky",
+                   help="comma-separated runs to train: causal and/or leaky (no causal mask)")  # fmt: skip
+    g.add_argument(
+        "--steps", type=_int_at_least(1), metavar="N", default=300, help="optimizer steps per run"
+    )
+    g.add_argument(
+        "--lr", type=_positive_float, metavar="X", default=3e-3, help="peak AdamW learning rate"
+    )
+    g.add_argument("--warmup-steps", type=_int_at_least(0), metavar="N", default=None,
+                   help="linear warmup steps (default: 5%% of --steps)")  # fmt: skip
+    g.add_argument("--weight-decay", type=_float_in(0.0, float("inf")), metavar="X", default=0.1,
+                   help="AdamW weight decay (matrices only)")  # fmt: skip
+    g.add_argument(
+        "--clip-norm", type=_positive_float, metavar="X", default=1.0, help="gradient clip norm"
+    )
+    g.add_argument(
+        "--seed", type=int, metavar="N", default=0, help="seed of data, weights and dropout"
+    )
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default: runs/<date-time>)")  # fmt: skip
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoints")  # fmt: skip
+    g.add_argument("--checkpoint-every", type=_int_at_least(1), metavar="N", default=500,
+                   help="save a checkpoint every N steps (and at the end)")  # fmt: skip
+    g.add_argument("--eval-every", type=_int_at_least(1), metavar="N", default=25,
+                   help="held-out loss every N steps, for the loss curves")  # fmt: skip
+    g.add_argument("--platform", choices=PLATFORMS, default=None,
+                   help="JAX platform (default: what JAX finds)")  # fmt: skip
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parses and checks the flags (before JAX is imported, so errors come fast)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = [r for r in runs if r not in ("causal", "leaky")]
+    if not runs or bad or len(set(runs)) != len(runs):
+        parser.error(f"--runs: expected distinct names from causal,leaky, got {args.runs!r}")
+    args.runs = tuple(runs)
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 20
+    if args.warmup_steps > args.steps:
+        parser.error(f"--warmup-steps ({args.warmup_steps}) must not exceed --steps ({args.steps})")
+    if args.d_model % args.num_heads:
+        parser.error(
+            f"--d-model ({args.d_model}) must be a multiple of --num-heads ({args.num_heads})"
+        )
+    if args.text is not None:
+        if not os.path.isfile(args.text):
+            parser.error(f"--text: no such file: {args.text}")
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                args.text_content = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"--text: cannot read {args.text} as UTF-8 text ({e})")
+    if args.resume and args.out is None:
+        parser.error("--resume needs --out DIR (the folder of the run to continue)")
+    if args.out is None:
+        args.out = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    return args
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"train_toy.py: error: {message}\n")
+    sys.exit(1)
+
+
+def _table(summary: dict) -> str:
+    floor = summary["entropy_floor"]
+    cols = ["run", "train_loss", "eval_loss", "floor", "future_leak", "gen_acc", "steps",
+            "seconds", "tok/s"]  # fmt: skip
+    rows = [
+        [
+            name,
+            f"{r['train_loss']:.4f}",
+            f"{r['eval_loss']:.4f}",
+            "-" if floor is None else f"{floor:.4f}",
+            f"{r['future_leak']:.3g}",
+            f"{r['generation_accuracy']:.3f}",
+            str(r["steps"]),
+            f"{r['seconds']:.1f}",
+            f"{r['tokens_per_second']:,.0f}",
+        ]
+        for name, r in summary["runs"].items()
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
+    return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    if args.platform is not None:
+        # Must precede any computation: the backend is chosen on first use.
+        jax.config.update("jax_platforms", "cuda,rocm" if args.platform == "gpu" else args.platform)
+    try:
+        devices = jax.devices()
+    except RuntimeError as e:
+        _fail(f"--platform {args.platform}: no usable {args.platform} backend "
+              f"({str(e).splitlines()[0]})")  # fmt: skip
+    print(f"JAX {jax.__version__} on {jax.default_backend()}: {len(devices)} device(s): "
+          + ", ".join(str(d) for d in devices))  # fmt: skip
+
+    from jattn.toy import CopyTask, GPTConfig, TextTask, TrainConfig, run_experiment
+    from jattn.toy.experiment import OutputFolderError
+
+    try:
+        if args.text is not None:
+            task = TextTask(args.text_content, context_length=args.context_length,
+                            batch_size=args.batch_size, seed=args.seed, source=args.text)  # fmt: skip
+        else:
+            task = CopyTask(args.num_symbols, args.prefix_len, args.batch_size, args.seed)
+        model_config = GPTConfig(
+            task.vocab_size, task.context_length, d_model=args.d_model,
+            num_layers=args.num_layers, num_heads=args.num_heads, dropout=args.dropout,
+        )  # fmt: skip
+        train_config = TrainConfig(
+            steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
+            weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed,
+            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+        )  # fmt: skip
+    except ValueError as e:
+        _fail(str(e))
+    floor = task.entropy_floor
+    print(f"task: {task.name}, vocab {task.vocab_size}, context {task.context_length}, "
+          + ("entropy floor unknown" if floor is None else f"entropy floor {floor:.4f} nats/token")
+          + f"; output: {args.out}")  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        summary = run_experiment(
+            task, model_config, train_config, out_dir=args.out, runs=args.runs,
+            resume=args.resume, progress=not args.no_progress,
+        )  # fmt: skip
+    except OutputFolderError as e:  # an occupied --out, or settings unlike the run to resume
+        _fail(str(e))
+    print()
+    print(_table(summary))
+    sample = summary["sample"]
+    print(f"\nsample (held-out) prompt: {sample['prompt']}")
+    for name in ["reference", *summary["runs"]]:
+        print(f"{name:>24}: {sample[name]}")
+    print(f"\nwall time {time.perf_counter() - t0:.1f} s; wrote {args.out}/summary.json, "
+          "metrics.jsonl, loss.png, attention.png")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
