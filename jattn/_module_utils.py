@@ -202,6 +202,24 @@ def merge_heads(x: Array) -> Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
+def concat_heads(outs: list, return_weights: bool):
+    """The wrapper's ``torch.cat([head(x) for head in self.heads], dim=-1)``.
+
+    Args:
+      outs: per head, ``[batch..., T, d_out]`` or (with ``return_weights``) a pair of it and
+        the head's weights ``[batch..., 1, T, T]``.
+      return_weights: whether ``outs`` holds pairs.
+
+    Returns:
+      ``[batch..., T, num_heads * d_out]``, and with ``return_weights`` the weights
+      ``[batch..., num_heads, T, T]``.
+    """
+    if not return_weights:
+        return jnp.concatenate(outs, axis=-1)
+    contexts, weights = zip(*outs, strict=True)
+    return jnp.concatenate(contexts, axis=-1), jnp.concatenate(weights, axis=-3)
+
+
 def attend(
     module: Any,
     queries: Array,

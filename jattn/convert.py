@@ -3,16 +3,11 @@
 The parameter trees of :mod:`jattn.linen` and :mod:`jattn.nnx` use the book's names, so
 each PyTorch tensor maps to one leaf:
 
-===============================  =====================================  ===========
-PyTorch key (book)               Linen / NNX path                       value
-===============================  =====================================  ===========
-``W_query`` (``SelfAttention_v1``)  ``W_query``                            as is
-``W_query.weight``               ``W_query/kernel``                     transposed
-``W_query.bias``                 ``W_query/bias``                       as is
-``out_proj.weight`` / ``.bias``  ``out_proj/kernel`` / ``out_proj/bias``  transposed / as is
-``heads.{i}.W_query.weight``     ``heads_{i}/W_query/kernel``           transposed
-``mask`` (a buffer)              -- (ignored: jattn builds masks)       --
-===============================  =====================================  ===========
+* ``W_query`` (``SelfAttention_v1``'s raw matrix) -> ``W_query``, as is;
+* ``W_query.weight`` -> ``W_query/kernel``, transposed; ``W_query.bias`` -> ``W_query/bias``;
+* ``out_proj.weight`` -> ``out_proj/kernel``, transposed; ``out_proj.bias`` -> ``out_proj/bias``;
+* ``heads.{i}.W_query.weight`` -> ``heads_{i}/W_query/kernel``, transposed (and so on);
+* ``mask`` and ``heads.{i}.mask`` (registered buffers) are ignored: jattn builds masks.
 
 (``W_key`` and ``W_value`` as ``W_query``.) A PyTorch ``nn.Linear.weight`` is
 ``[out_features, in_features]``; a Flax kernel is ``[in_features, out_features]``.

@@ -1,21 +1,19 @@
 """Flax Linen modules for every attention form of chapter 3, with the book's names.
 
-=========================  ===================================  =============================
-book (PyTorch)             ``jattn.linen``                      parameters
-=========================  ===================================  =============================
-``SelfAttention_v1``       ``SelfAttentionV1(d_out)``           ``W_query, W_key, W_value``
-                                                                (raw ``[d_in, d_out]``)
-``SelfAttention_v2``       ``SelfAttentionV2(d_out, qkv_bias)`` ``W_query/W_key/W_value``
-                                                                ``{kernel, bias?}``
-``CausalAttention``        ``CausalAttention(d_out,             as V2
-                           context_length, dropout, qkv_bias)``
-``MultiHeadAttention-      ``MultiHeadAttentionWrapper(d_out,   ``heads_{i}/W_query/...``
-Wrapper``                  context_length, dropout, num_heads,
-                           qkv_bias)``
-``MultiHeadAttention``     ``MultiHeadAttention(d_out,          ``W_query, W_key, W_value,``
-                           context_length, dropout, num_heads,  ``out_proj`` ``{kernel, bias}``
-                           qkv_bias)``
-=========================  ===================================  =============================
+Book (PyTorch) -> ``jattn.linen`` (parameter names):
+
+* ``SelfAttention_v1`` -> ``SelfAttentionV1(d_out)``: raw ``W_query, W_key, W_value``
+  ``[d_in, d_out]``.
+* ``SelfAttention_v2`` -> ``SelfAttentionV2(d_out, qkv_bias=False)``:
+  ``W_query/{kernel, bias}``, ``W_key/...``, ``W_value/...`` (bias only with qkv_bias).
+* ``CausalAttention`` -> ``CausalAttention(d_out, context_length, dropout, qkv_bias=False)``:
+  as v2.
+* ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_out, context_length,
+  dropout, num_heads, qkv_bias=False)``: ``heads_{i}/W_query/...`` (the book's
+  ``heads.{i}.W_query``).
+* ``MultiHeadAttention`` -> ``MultiHeadAttention(d_out, context_length, dropout, num_heads,
+  qkv_bias=False, *, num_kv_heads=None)``: ``W_query``, ``W_key``, ``W_value``,
+  ``out_proj`` (``{kernel, bias}``).
 
 ``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
 the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
@@ -350,11 +348,7 @@ class MultiHeadAttentionWrapper(_Dropout):
             )
             for i, head in enumerate(self.heads)
         ]
-        if not return_weights:
-            return jnp.concatenate(outs, axis=-1)  # [batch..., T, num_heads * d_out]
-        contexts, weights = zip(*outs, strict=True)
-        # [batch..., T, num_heads * d_out] and [batch..., num_heads, T, T]
-        return jnp.concatenate(contexts, axis=-1), jnp.concatenate(weights, axis=-3)
+        return mu.concat_heads(outs, return_weights)
 
 
 class MultiHeadAttention(_Dropout):

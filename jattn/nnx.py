@@ -5,18 +5,14 @@ The same five classes as :mod:`jattn.linen`, with the same parameter trees
 :func:`jattn.convert.linen_to_nnx` / :func:`jattn.convert.nnx_to_linen` are a renaming-free
 copy. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` last:
 
-=========================  =====================================================
-book (PyTorch)             ``jattn.nnx``
-=========================  =====================================================
-``SelfAttention_v1``       ``SelfAttentionV1(d_in, d_out, *, rngs)``
-``SelfAttention_v2``       ``SelfAttentionV2(d_in, d_out, qkv_bias=False, *, rngs)``
-``CausalAttention``        ``CausalAttention(d_in, d_out, context_length, dropout,
-                           qkv_bias=False, *, rngs)``
-``MultiHeadAttention-      ``MultiHeadAttentionWrapper(d_in, d_out, context_length,
-Wrapper``                  dropout, num_heads, qkv_bias=False, *, rngs)``
-``MultiHeadAttention``     ``MultiHeadAttention(d_in, d_out, context_length, dropout,
-                           num_heads, qkv_bias=False, *, num_kv_heads=None, rngs)``
-=========================  =====================================================
+* ``SelfAttention_v1`` -> ``SelfAttentionV1(d_in, d_out, *, rngs)``
+* ``SelfAttention_v2`` -> ``SelfAttentionV2(d_in, d_out, qkv_bias=False, *, rngs)``
+* ``CausalAttention`` -> ``CausalAttention(d_in, d_out, context_length, dropout,
+  qkv_bias=False, *, rngs)``
+* ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_in, d_out, context_length,
+  dropout, num_heads, qkv_bias=False, *, rngs)``
+* ``MultiHeadAttention`` -> ``MultiHeadAttention(d_in, d_out, context_length, dropout,
+  num_heads, qkv_bias=False, *, num_kv_heads=None, rngs)``
 
 Conventions shared by every class:
 
@@ -459,11 +455,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
                     sow_weights=sow_weights,
                 )
             )
-        if not return_weights:
-            return jnp.concatenate(outs, axis=-1)  # [batch..., T, num_heads * d_out]
-        contexts, weights = zip(*outs, strict=True)
-        # [batch..., T, num_heads * d_out] and [batch..., num_heads, T, T]
-        return jnp.concatenate(contexts, axis=-1), jnp.concatenate(weights, axis=-3)
+        return mu.concat_heads(outs, return_weights)
 
 
 class MultiHeadAttention(_DropoutAttention):
