@@ -158,7 +158,9 @@ def _raw_group(arrays: dict[str, np.ndarray]) -> dict:
 
 
 def _expected_params(module, d_in: int) -> dict:
-    """Shapes of a Linen ``module``'s params for inputs of width ``d_in`` (abstract init)."""
+    """A Linen ``module``'s params for inputs of width ``d_in`` (abstract init), or an NNX one's."""
+    if isinstance(module, nnx.Module):
+        return nnx.to_pure_dict(nnx.state(module, nnx.Param))
     # Only the classes with dropout take (and, with dropout > 0, need) `deterministic`.
     kwargs = {"deterministic": True} if hasattr(module, "dropout") else {}
     x = jax.ShapeDtypeStruct((1, d_in), jnp.float32)
@@ -242,8 +244,9 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], module=None) -> dict:
     Args:
       state_dict: PyTorch key -> array-like (numpy arrays, or torch tensors, which are
         read with ``.detach().cpu().numpy()``; torch is never imported here).
-      module: optional ``jattn.linen`` module the weights are for; when given, every
-        parameter's shape is checked against it (d_out, num_heads, qkv_bias, GQA).
+      module: optional ``jattn.linen`` module (or constructed ``jattn.nnx`` module) the
+        weights are for; when given, every parameter's shape is checked against it
+        (d_in for NNX, d_out, num_heads, qkv_bias, GQA). It is not modified.
 
     Returns:
       ``{'params': {...}}`` with the book's names, ``nn.Linear`` weights transposed.

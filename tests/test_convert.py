@@ -133,6 +133,10 @@ def test_from_torch_state_dict_checks_against_the_module():
         convert.from_torch_state_dict(QKV_SD, L.MultiHeadAttention(2, 6, 0.0, 2))
     with pytest.raises(ValueError, match=r"unexpected key W_query\.bias"):
         convert.from_torch_state_dict(BIASED_SD, L.CausalAttention(2, 6, 0.0))
+    # An NNX module works too, and knows d_in.
+    with pytest.raises(ValueError, match=r"W_query.weight\] has shape \(2, 3\), .* \(2, 4\)"):
+        convert.from_torch_state_dict(QKV_SD, N.CausalAttention(4, 2, 6, 0.0, rngs=nnx.Rngs(0)))
+    convert.from_torch_state_dict(QKV_SD, N.CausalAttention(3, 2, 6, 0.0, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match="must hold floats"):
         convert.from_torch_state_dict(QKV_SD | {"W_key.weight": np.zeros((2, 3), np.int32)})
     with pytest.raises(TypeError, match="mapping"):

@@ -131,8 +131,12 @@ def test_dropout_zeroes_weights_and_rescales_the_rest():
     np.testing.assert_allclose(y[kept], 2.0 * w[kept], rtol=1e-6)  # scaled by 1 / (1 - 0.5)
     lower = np.tril(np.ones((6, 6), bool))
     assert 0.2 < kept[:, lower].mean() < 0.8  # some dropped, some kept (63 draws)
-    # Independent per example, as torch.nn.Dropout in the book.
+    # Independent per example, as torch.nn.Dropout in the book...
     assert not np.array_equal(kept[0], kept[1])
+    # ...or one mask for the whole batch with broadcast_dropout=True (flax's default).
+    shared = L.CausalAttention(6, 6, 0.5, broadcast_dropout=True)
+    y = np.asarray(shared.apply(variables, x, deterministic=False, dropout_rng=jax.random.key(1)))
+    assert np.array_equal(y[0] != 0, y[1] != 0) and np.array_equal(y[0] != 0, y[2] != 0)
 
 
 def test_dropout_same_key_same_output_other_key_other_output():
