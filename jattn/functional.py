@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _prng, blockwise
 from jattn import masks as masks_lib
 
 __all__ = [
@@ -32,7 +33,8 @@ __all__ = [
 ]
 
 Array = jax.Array
-BroadcastDropout = Union[bool, Literal["batch", "heads"]]
+BroadcastDropout = bool | Literal["batch", "heads"]
+Implementation = Literal["dense", "blockwise"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -147,19 +149,27 @@ def _softmax_dtype(dtype):
 # ----------------------------------------------------------------------------------------
 
 
-def _build_mask(
+def _mask_spec(
     mask,
     *,
     logits_shape: tuple[int, ...],
-    is_causal: bool,
     query_seq_lengths,
     key_value_seq_lengths,
     local_window_size,
-) -> Array | None:
-    """Combines every masking option into one boolean mask broadcastable to the logits."""
+    query_segment_ids=None,
+    key_value_segment_ids=None,
+) -> dict[str, Any]:
+    """Validates every masking option and returns them normalised (no [T, S] array is built).
+
+    Returns a dict with ``mask`` (bool, broadcastable to the logits, or None), ``window``
+    (``(left, right)`` or None), ``q_lengths`` / ``kv_lengths`` (int ``[batch...]`` or None)
+    and ``q_segments`` / ``kv_segments`` (int ``[batch..., length]`` or None).
+    """
     q_len, kv_len = logits_shape[-2:]
     batch_shape = logits_shape[:-3]
-    parts = []
+    spec: dict[str, Any] = dict.fromkeys(
+        ("mask", "window", "q_lengths", "kv_lengths", "q_segments", "kv_segments")
+    )
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
@@ -170,9 +180,7 @@ def _build_mask(
             # flax builds float 0/1 masks (nn.make_attention_mask); nonzero = attend.
             mask = mask != 0
         _check_broadcast(mask, logits_shape, "mask")
-        parts.append(mask)
-    if is_causal:
-        parts.append(masks_lib.causal_mask(q_len, kv_len))
+        spec["mask"] = mask
     if local_window_size is not None:
         if isinstance(local_window_size, numbers.Integral):
             left, right = int(local_window_size), int(local_window_size)
@@ -184,12 +192,12 @@ def _build_mask(
                     "local_window_size must be an int or a (left, right) pair of ints, got "
                     f"{local_window_size!r}."
                 ) from None
-        parts.append(
-            masks_lib.sliding_window_mask(q_len, kv_len, window_left=left, window_right=right)
-        )
-    for name, lengths, size in (
-        ("query_seq_lengths", query_seq_lengths, q_len),
-        ("key_value_seq_lengths", key_value_seq_lengths, kv_len),
+        # Validated (and checked to be ints) by the mask builder itself.
+        masks_lib.sliding_window_mask(1, 1, window_left=left, window_right=right)
+        spec["window"] = (left, right)
+    for name, lengths, field in (
+        ("query_seq_lengths", query_seq_lengths, "q_lengths"),
+        ("key_value_seq_lengths", key_value_seq_lengths, "kv_lengths"),
     ):
         if lengths is None:
             continue
@@ -199,17 +207,67 @@ def _build_mask(
                 f"{name} must have the batch shape {batch_shape} (one length per sequence), "
                 f"got shape {lengths.shape}."
             )
-        valid = masks_lib.lengths_to_valid(lengths, size)
-        if name == "query_seq_lengths":
-            parts.append(masks_lib.padding_mask(query_valid=valid))
-        else:
-            parts.append(masks_lib.padding_mask(key_valid=valid))
+        if not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}.")
+        spec[field] = lengths
+    if key_value_segment_ids is not None and query_segment_ids is None:
+        raise ValueError(
+            "key_value_segment_ids needs query_segment_ids too (the segment of each query)."
+        )
+    if query_segment_ids is not None:
+        if key_value_segment_ids is None:
+            if q_len != kv_len:
+                raise ValueError(
+                    f"key_value_segment_ids is required when q_len ({q_len}) != kv_len "
+                    f"({kv_len}); query_segment_ids stands for both only in self-attention."
+                )
+            key_value_segment_ids = query_segment_ids
+        for name, ids, length in (
+            ("query_segment_ids", query_segment_ids, q_len),
+            ("key_value_segment_ids", key_value_segment_ids, kv_len),
+        ):
+            ids = jnp.asarray(ids)
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(f"{name} must hold integers, got dtype {ids.dtype}.")
+            if ids.shape != (*batch_shape, length):
+                raise ValueError(
+                    f"{name} must have shape [batch..., length] = {(*batch_shape, length)}, "
+                    f"got {ids.shape}."
+                )
+            spec["q_segments" if name == "query_segment_ids" else "kv_segments"] = ids
+    return spec
+
+
+def _build_mask(spec: dict[str, Any], *, logits_shape: tuple[int, ...], is_causal: bool):
+    """Combines a :func:`_mask_spec` and ``is_causal`` into one bool mask broadcastable to the logits."""
+    q_len, kv_len = logits_shape[-2:]
+    parts = [spec["mask"]]
+    if is_causal:
+        parts.append(masks_lib.causal_mask(q_len, kv_len))
+    if spec["window"] is not None:
+        left, right = spec["window"]
+        parts.append(
+            masks_lib.sliding_window_mask(q_len, kv_len, window_left=left, window_right=right)
+        )
+    if spec["q_lengths"] is not None:
+        valid = masks_lib.lengths_to_valid(spec["q_lengths"], q_len)
+        parts.append(masks_lib.padding_mask(query_valid=valid))
+    if spec["kv_lengths"] is not None:
+        valid = masks_lib.lengths_to_valid(spec["kv_lengths"], kv_len)
+        parts.append(masks_lib.padding_mask(key_valid=valid))
+    if spec["q_segments"] is not None:
+        parts.append(masks_lib.segment_mask(spec["q_segments"], spec["kv_segments"]))
     return masks_lib.combine_masks(*parts)
 
 
 def _keep_mask(rng: Array, keep_prob: float, shape: tuple[int, ...]) -> Array:
-    """Boolean keep-mask, True with probability ``keep_prob``, drawn from ``rng`` alone."""
-    return jax.random.bernoulli(rng, keep_prob, shape)
+    """Boolean keep-mask, True with probability ``keep_prob``, drawn from ``rng`` alone.
+
+    Every dropout in jattn draws here, or tile by tile from the same generator in the
+    blockwise path (:mod:`jattn._prng`: Philox-4x32-10 counters at each element's
+    position, keyed by words derived from ``rng``), so both paths drop the same weights.
+    """
+    return _prng.keep_mask(rng, keep_prob, shape)
 
 
 def _check_rng(rng, argument: str) -> None:
@@ -255,19 +313,26 @@ def dropout(
     return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros((), x.dtype))
 
 
-def _dropout_shape(weights_shape, n_batch: int, broadcast_dropout: BroadcastDropout):
-    batch, heads, rest = weights_shape[:n_batch], weights_shape[n_batch], weights_shape[-2:]
+def _dropout_shared(broadcast_dropout: BroadcastDropout) -> tuple[bool, bool]:
+    """``(over_batch, over_heads)``: which axes share one dropout mask."""
     if broadcast_dropout is True:
-        return (1,) * n_batch + (1,) + tuple(rest)  # one mask for every example and head
+        return True, True  # one mask for every example and head
     if broadcast_dropout is False:
-        return tuple(weights_shape)  # independent, as torch.nn.Dropout in the book
+        return False, False  # independent, as torch.nn.Dropout in the book
     if broadcast_dropout == "batch":
-        return (1,) * n_batch + (heads,) + tuple(rest)
+        return True, False
     if broadcast_dropout == "heads":
-        return tuple(batch) + (1,) + tuple(rest)
+        return False, True
     raise ValueError(
         f"broadcast_dropout must be True, False, 'batch' or 'heads', got {broadcast_dropout!r}."
     )
+
+
+def _dropout_shape(weights_shape, n_batch: int, broadcast_dropout: BroadcastDropout):
+    batch, heads, rest = weights_shape[:n_batch], weights_shape[n_batch], weights_shape[-2:]
+    over_batch, over_heads = _dropout_shared(broadcast_dropout)
+    batch = (1,) * n_batch if over_batch else tuple(batch)
+    return (*batch, 1 if over_heads else heads, *rest)
 
 
 # ----------------------------------------------------------------------------------------
@@ -275,26 +340,31 @@ def _dropout_shape(weights_shape, n_batch: int, broadcast_dropout: BroadcastDrop
 # ----------------------------------------------------------------------------------------
 
 
-def _attention_weights(
-    query,
-    key,
-    bias,
-    mask,
-    *,
-    is_causal,
-    scale,
-    query_seq_lengths,
-    key_value_seq_lengths,
-    local_window_size,
-    dtype,
-    precision,
-):
-    """Validated softmax weights ``[batch..., H, T, S]`` in float32 (or wider), no dropout."""
+def _logits_shape(query: Array, key: Array) -> tuple[int, ...]:
+    *batch, q_len, num_heads, _ = query.shape
+    return (*batch, num_heads, q_len, key.shape[-3])
+
+
+def _check_bias(bias, logits_shape: tuple[int, ...]) -> Array | None:
+    if bias is None:
+        return None
+    bias = jnp.asarray(bias)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias must be a float array, got dtype {bias.dtype}.")
+    _check_broadcast(bias, logits_shape, "bias")
+    return bias
+
+
+def _attention_weights(query, key, bias, spec, *, is_causal, scale, dtype, precision):
+    """Softmax weights ``[batch..., H, T, S]`` in float32 (or wider), no dropout.
+
+    ``bias`` and ``spec`` come validated from :func:`_check_bias` and :func:`_mask_spec`.
+    """
     n_batch = query.ndim - 3
     *batch, q_len, num_heads, head_dim = query.shape
-    kv_len, num_kv_heads = key.shape[-3], key.shape[-2]
+    num_kv_heads = key.shape[-2]
     groups = num_heads // num_kv_heads
-    logits_shape = (*batch, num_heads, q_len, kv_len)
+    logits_shape = _logits_shape(query, key)
     sm_dtype = _softmax_dtype(dtype)
 
     if scale is None:
@@ -313,20 +383,9 @@ def _attention_weights(
     logits = logits * jnp.asarray(scale, sm_dtype)
 
     if bias is not None:
-        bias = jnp.asarray(bias)
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"bias must be a float array, got dtype {bias.dtype}.")
-        _check_broadcast(bias, logits_shape, "bias")
         logits = logits + bias.astype(sm_dtype)
 
-    combined = _build_mask(
-        mask,
-        logits_shape=logits_shape,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-    )
+    combined = _build_mask(spec, logits_shape=logits_shape, is_causal=is_causal)
     if combined is None:
         return jax.nn.softmax(logits, axis=-1), n_batch
 
@@ -363,6 +422,8 @@ def dot_product_attention_weights(
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     deterministic: bool = False,
@@ -374,7 +435,8 @@ def dot_product_attention_weights(
 ) -> Array:
     """Attention weights ``softmax(q kᵀ * scale + bias, masked)`` with optional dropout.
 
-    Takes the same arguments as :func:`dot_product_attention` (without ``value``) and
+    Takes the same arguments as :func:`dot_product_attention` (without ``value`` and
+    ``implementation``: the weights are the dense ``[q_len, kv_len]`` matrix) and
     returns the weights ``[batch..., num_heads, q_len, kv_len]`` in the computation
     dtype, after dropout when dropout is active. Rows sum to 1, except fully masked
     rows, which are all zeros.
@@ -386,18 +448,19 @@ def dot_product_attention_weights(
     query, key, _ = _check_qkv(query, key, key)
     dtype = _compute_dtype(dtype, query, key)
     query, key = query.astype(dtype), key.astype(dtype)
-    weights, n_batch = _attention_weights(
-        query,
-        key,
-        bias,
+    logits_shape = _logits_shape(query, key)
+    bias = _check_bias(bias, logits_shape)
+    spec = _mask_spec(
         mask,
-        is_causal=is_causal,
-        scale=scale,
+        logits_shape=logits_shape,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
-        dtype=dtype,
-        precision=precision,
+        query_segment_ids=query_segment_ids,
+        key_value_segment_ids=key_value_segment_ids,
+    )
+    weights, n_batch = _attention_weights(
+        query, key, bias, spec, is_causal=is_causal, scale=scale, dtype=dtype, precision=precision
     )
     _maybe_sow(module, weights.astype(dtype))
     weights = _apply_weight_dropout(
@@ -406,8 +469,12 @@ def dot_product_attention_weights(
     return weights.astype(dtype)
 
 
+def _dropout_active(rate, deterministic: bool) -> bool:
+    return not (deterministic or (not isinstance(rate, jax.core.Tracer) and float(rate) == 0.0))
+
+
 def _apply_weight_dropout(weights, n_batch, rate, rng, deterministic, broadcast_dropout):
-    if deterministic or (not isinstance(rate, jax.core.Tracer) and float(rate) == 0.0):
+    if not _dropout_active(rate, deterministic):
         return weights
     _check_rng(rng, "dropout_rng")
     keep_prob = 1.0 - rate
@@ -415,6 +482,45 @@ def _apply_weight_dropout(weights, n_batch, rate, rng, deterministic, broadcast_
     return jnp.where(keep, weights / jnp.asarray(keep_prob, weights.dtype), 0.0).astype(
         weights.dtype
     )
+
+
+# The automatic rule's size threshold: on CPU the blockwise path is used once each query
+# block and key block would be at least this long (shorter sequences: dense is as fast,
+# see benchmarks/results.md). Elsewhere (GPU/TPU, not measured here) dense is kept unless
+# its [q_len, kv_len] logits per (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
+_AUTO_MIN_LEN = 128
+_AUTO_DENSE_MAX_SCORES = 4096 * 4096
+
+
+def _blockwise_obstacle(bias, scale, module, return_weights) -> str | None:
+    """Why the blockwise path cannot serve this call (None: it can)."""
+    if return_weights or module is not None:
+        return "return_weights=True and module= need the full [q_len, kv_len] weight matrix"
+    if bias is not None:
+        return "a bias array is added densely (it is [q_len, kv_len] already)"
+    if scale is not None and not isinstance(scale, numbers.Real):
+        return f"scale must be a Python number for it, got {type(scale).__name__}"
+    return None
+
+
+def _choose_implementation(implementation, *, q_len: int, kv_len: int, obstacle) -> str:
+    if implementation not in (None, "dense", "blockwise"):
+        raise ValueError(
+            f"implementation must be None (automatic), 'dense' or 'blockwise', got "
+            f"{implementation!r}."
+        )
+    if implementation == "blockwise" and obstacle is not None:
+        raise ValueError(
+            f"implementation='blockwise' cannot be used here: {obstacle}. Use "
+            "implementation='dense' or None (automatic)."
+        )
+    if implementation is not None:
+        return implementation
+    if obstacle is not None:
+        return "dense"
+    if jax.default_backend() == "cpu":
+        return "blockwise" if min(q_len, kv_len) >= _AUTO_MIN_LEN else "dense"
+    return "blockwise" if q_len * kv_len >= _AUTO_DENSE_MAX_SCORES else "dense"
 
 
 def dot_product_attention(
@@ -429,6 +535,8 @@ def dot_product_attention(
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     deterministic: bool = False,
@@ -438,6 +546,7 @@ def dot_product_attention(
     module: Any = None,
     return_weights: bool = False,
     force_fp32_for_softmax: bool = True,
+    implementation: Implementation | None = None,
 ):
     """Scaled dot-product attention, ``softmax(q kᵀ / sqrt(head_dim)) v``, with masks and dropout.
 
@@ -445,13 +554,29 @@ def dot_product_attention(
     and usable as ``attention_fn`` of ``flax.linen.MultiHeadDotProductAttention`` and
     ``flax.nnx.MultiHeadAttention`` (it accepts every keyword they pass).
 
+    Two implementations compute the same function (outputs agree to float32 rounding,
+    ~1e-6, gradients too, and dropout drops the same weights for the same key):
+
+    * ``'dense'``: builds the ``[q_len, kv_len]`` weights, masks them and multiplies;
+      memory grows as ``q_len * kv_len``.
+    * ``'blockwise'`` (FlashAttention-style, :mod:`jattn.blockwise`): streams the softmax
+      over key blocks, never computes a tile that the causal / window / length /
+      segment masks or an all-False tile of ``mask`` hide, and recomputes the tiles in a
+      custom backward pass; memory grows as ``q_len + kv_len``.
+
+    ``implementation=None`` (automatic) picks ``'dense'`` when the call needs the weight
+    matrix (``return_weights=True``, ``module=``), adds a ``bias`` array or has a traced
+    ``scale``; otherwise, on CPU, ``'blockwise'`` when ``q_len`` and ``kv_len`` are both at
+    least 128 (where it measured faster, ``benchmarks/results.md``), and on other backends
+    (not measured) ``'blockwise'`` only when ``q_len * kv_len >= 4096**2`` (memory).
+
     Args:
       query: ``[batch..., q_len, num_heads, head_dim]``.
       key: ``[batch..., kv_len, num_kv_heads, head_dim]``; ``num_heads`` must be a multiple
         of ``num_kv_heads`` (grouped-query / multi-query attention).
       value: ``[batch..., kv_len, num_kv_heads, v_head_dim]``.
       bias: optional float array broadcastable to ``[batch..., num_heads, q_len, kv_len]``,
-        added to the scaled logits.
+        added to the scaled logits (dense implementation only).
       mask: optional boolean array broadcastable to ``[batch..., num_heads, q_len, kv_len]``,
         True = attend. Numeric masks (flax's float 0/1) count nonzero as True.
       is_causal: AND a causal mask (query ``i`` sees keys ``j <= i``, aligned top-left as
@@ -462,8 +587,14 @@ def dot_product_attention(
       key_value_seq_lengths: optional int ``[batch...]``: keys past it are hidden.
       local_window_size: optional int or ``(left, right)``: query ``i`` sees keys
         ``i-left ... i+right`` (as ``jax.nn``).
+      query_segment_ids: optional int ``[batch..., q_len]`` for packed sequences: a query
+        sees only keys with the same id (as :func:`jattn.segment_mask`, without building
+        the ``[q_len, kv_len]`` mask).
+      key_value_segment_ids: optional int ``[batch..., kv_len]``; defaults to
+        ``query_segment_ids`` (self-attention).
       dropout_rate: probability of dropping an attention weight, in [0, 1).
-      dropout_rng: ``jax.random`` key; required when dropout is active.
+      dropout_rng: ``jax.random`` key; required when dropout is active. The mask is a
+        function of this key and each weight's position only (see :mod:`jattn._prng`).
       deterministic: True for inference: no dropout, no key needed.
       broadcast_dropout: which axes share one dropout mask: ``False`` (default, independent
         per example and head, as ``torch.nn.Dropout`` in the book), ``True`` (one mask
@@ -476,6 +607,7 @@ def dot_product_attention(
       return_weights: also return the pre-dropout weights ``[batch..., H, q_len, kv_len]``.
       force_fp32_for_softmax: accepted for flax compatibility; the softmax always runs in
         float32 (or float64 for float64 inputs).
+      implementation: ``None`` (automatic, above), ``'dense'`` or ``'blockwise'``.
 
     Returns:
       ``[batch..., q_len, num_heads, v_head_dim]`` in ``dtype``; with ``return_weights``,
@@ -485,26 +617,55 @@ def dot_product_attention(
     Raises:
       TypeError: non-float inputs, non-boolean masks of odd dtypes.
       ValueError: shapes that do not match, masks or biases that do not broadcast, a
-        dropout rate outside [0, 1), active dropout without ``dropout_rng``.
+        dropout rate outside [0, 1), active dropout without ``dropout_rng``,
+        ``implementation='blockwise'`` with an option only the dense path has.
     """
     del force_fp32_for_softmax
     _check_rate(dropout_rate)
     query, key, value = _check_qkv(query, key, value)
     dtype = _compute_dtype(dtype, query, key, value)
     query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
-
-    weights, n_batch = _attention_weights(
-        query,
-        key,
-        bias,
+    logits_shape = _logits_shape(query, key)
+    bias = _check_bias(bias, logits_shape)
+    spec = _mask_spec(
         mask,
-        is_causal=is_causal,
-        scale=scale,
+        logits_shape=logits_shape,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
-        dtype=dtype,
-        precision=precision,
+        query_segment_ids=query_segment_ids,
+        key_value_segment_ids=key_value_segment_ids,
+    )
+    chosen = _choose_implementation(
+        implementation,
+        q_len=logits_shape[-2],
+        kv_len=logits_shape[-1],
+        obstacle=_blockwise_obstacle(bias, scale, module, return_weights),
+    )
+    if chosen == "blockwise":
+        dropout_on = _dropout_active(dropout_rate, deterministic)
+        if dropout_on:
+            _check_rng(dropout_rng, "dropout_rng")
+        return blockwise.blockwise_attention(
+            query,
+            key,
+            value,
+            scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
+            is_causal=is_causal,
+            local_window=spec["window"],
+            mask=spec["mask"],
+            query_seq_lengths=spec["q_lengths"],
+            key_value_seq_lengths=spec["kv_lengths"],
+            query_segment_ids=spec["q_segments"],
+            key_value_segment_ids=spec["kv_segments"],
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng if dropout_on else None,
+            dropout_shared=_dropout_shared(broadcast_dropout) if dropout_on else (False, False),
+            precision=precision,
+        )
+
+    weights, n_batch = _attention_weights(
+        query, key, bias, spec, is_causal=is_causal, scale=scale, dtype=dtype, precision=precision
     )
     _maybe_sow(module, weights.astype(dtype))
     dropped = _apply_weight_dropout(
@@ -567,7 +728,7 @@ def simplified_self_attention_loop(inputs) -> Array:
     for query in inputs:  # one query token at a time, as in the book
         scores = jnp.stack([jnp.dot(query, x_j) for x_j in inputs])  # [num_tokens]
         weights = jax.nn.softmax(scores)
-        contexts.append(sum(a_j * x_j for a_j, x_j in zip(weights, inputs)))
+        contexts.append(sum(a_j * x_j for a_j, x_j in zip(weights, inputs, strict=True)))
     return jnp.stack(contexts)
 
 

@@ -1,0 +1,622 @@
+"""Blockwise (FlashAttention-style) attention: O(T) memory, skipped masked blocks, custom VJP.
+
+The forward pass streams the softmax over key blocks with a running max ``m`` and
+sum ``l`` (Rabe & Staats 2021; Dao et al. 2022), so the ``[q_len, kv_len]`` score
+matrix never exists; only one ``[block_q, block_k]`` tile per (batch, head) does.
+A tile that the masks remove entirely is never computed: each query block visits
+only the key blocks its causal / sliding-window / length / segment / explicit masks
+leave visible, and only tiles that are partly masked pay for an elementwise mask.
+
+The backward pass is FlashAttention-2's: it keeps only the output and the per-row
+log-sum-exp ``lse = m + log(l)`` from the forward pass and recomputes each tile's
+probabilities ``exp(s - lse)``, so forward+backward memory is O(T) too.
+
+Dropout is applied inside the tiles with bits that depend only on the key and the
+element's global (batch, head, query, key) position (:mod:`jattn._prng`), so the
+mask is the dense path's mask, whatever the block sizes.
+
+This module holds the algorithm only; :func:`jattn.functional.dot_product_attention`
+validates arguments, picks the implementation and calls :func:`blockwise_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jattn import _prng
+from jattn import masks as masks_lib
+
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention"]
+
+Array = jax.Array
+
+# Tile sizes picked with benchmarks/bench_attention.py on a 2-core CPU (see results.md):
+# larger tiles waste more work on the causal diagonal, smaller ones run more loop steps.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call (hashable: it keys the custom VJP's trace)."""
+
+    q_len: int  # real (unpadded) lengths
+    kv_len: int
+    block_q: int
+    block_k: int
+    scale: float
+    band_lo: int | None  # visible keys satisfy band_lo <= k - q <= band_hi (None: unbounded)
+    band_hi: int | None
+    dropout: bool
+    dropout_rows_batch: bool  # the dropout row index counts batch / heads (False: shared)
+    dropout_rows_heads: bool
+    num_heads: int
+    precision: Any
+
+    @property
+    def padded_q(self) -> int:
+        return -(-self.q_len // self.block_q) * self.block_q
+
+    @property
+    def padded_kv(self) -> int:
+        return -(-self.kv_len // self.block_k) * self.block_k
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pick_block(length: int, default: int) -> int:
+    # A short sequence is one tile (rounded to 8 rows), not a mostly padded default tile.
+    return min(default, _round_up(length, 8))
+
+
+# ----------------------------------------------------------------------------------------
+# Which tiles to compute
+# ----------------------------------------------------------------------------------------
+
+
+def _position_flags(cfg: _Config) -> tuple[np.ndarray, np.ndarray]:
+    """Static ``(needed, full)`` ``[nq, nk]`` flags from positions alone (causal, window, padding).
+
+    ``needed``: some (query, key) pair of the tile is visible. ``full``: every pair with a
+    real key is visible, so the tile needs no elementwise mask.
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    i = np.arange(cfg.padded_q // bq)[:, None]
+    j = np.arange(cfg.padded_kv // bk)[None, :]
+    q_first, q_last = i * bq, np.minimum((i + 1) * bq, cfg.q_len) - 1
+    k_first, k_last = j * bk, np.minimum((j + 1) * bk, cfg.kv_len) - 1
+    # k - q takes every integer value in [d_min, d_max] over the tile's real rows and keys.
+    d_min, d_max = k_first - q_last, k_last - q_first
+    needed = np.ones((i.shape[0], j.shape[1]), bool)
+    full = needed & ((j + 1) * bk <= cfg.kv_len)  # padded keys must be masked
+    if cfg.band_hi is not None:
+        needed &= d_min <= cfg.band_hi
+        full &= d_max <= cfg.band_hi
+    if cfg.band_lo is not None:
+        needed &= d_max >= cfg.band_lo
+        full &= d_min >= cfg.band_lo
+    return needed, full & needed
+
+
+def _dynamic_flags(cfg: _Config, aux: dict) -> tuple[Array, Array] | None:
+    """Per-call ``(needed, full)`` ``[nq, nk]`` from lengths, segment ids and a mask array.
+
+    A tile is needed if it is needed for *some* batch element (the loop is shared by the
+    whole batch) and full only if it is full for every one.
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = cfg.padded_q // bq, cfg.padded_kv // bk
+    needed, full = [], []  # each broadcastable to [batch, nq, nk]
+    q_first = jnp.arange(nq) * bq
+    q_end = jnp.minimum(q_first + bq, cfg.q_len)
+    k_first = jnp.arange(nk) * bk
+    k_end = jnp.minimum(k_first + bk, cfg.kv_len)
+    if aux["q_lengths"] is not None:
+        lengths = aux["q_lengths"][:, None]  # [N, 1]
+        needed.append((q_first[None] < lengths)[:, :, None])
+        full.append((q_end[None] <= lengths)[:, :, None])
+    if aux["kv_lengths"] is not None:
+        lengths = aux["kv_lengths"][:, None]
+        needed.append((k_first[None] < lengths)[:, None, :])
+        full.append((k_end[None] <= lengths)[:, None, :])
+    if aux["q_segments"] is not None:
+        # [N, n, block] ranges of ids per tile; disjoint ranges share no id.
+        q_ids = aux["q_segments"].reshape(-1, nq, bq)
+        k_ids = aux["kv_segments"].reshape(-1, nk, bk)
+        q_lo, q_hi = q_ids.min(-1)[:, :, None], q_ids.max(-1)[:, :, None]
+        k_lo, k_hi = k_ids.min(-1)[:, None, :], k_ids.max(-1)[:, None, :]
+        needed.append((q_lo <= k_hi) & (k_lo <= q_hi))
+        full.append((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
+    if aux["mask"] is not None:
+        mask = aux["mask"]  # [Nm, Km, Gm, Lq, Lk]; Lq, Lk are 1 or the padded lengths
+        nm, km, gm, lq, lk = mask.shape
+        tiles = mask.reshape(
+            nm, km, gm, nq if lq > 1 else 1, bq if lq > 1 else 1, nk if lk > 1 else 1, -1
+        )
+        # [Nm, nq|1, nk|1]: over heads and the tile's rows and keys
+        needed.append(tiles.any(axis=(1, 2, 4, 6)))
+        full.append(tiles.all(axis=(1, 2, 4, 6)))
+    if not needed:
+        return None
+    need, ful = needed[0], full[0]
+    for n_, f_ in zip(needed[1:], full[1:], strict=True):
+        need, ful = need & n_, ful & f_
+    need = jnp.broadcast_to(need.any(axis=0), (nq, nk))
+    ful = jnp.broadcast_to(ful.all(axis=0), (nq, nk))
+    return need, ful
+
+
+def _schedule(cfg: _Config, aux: dict):
+    """Tile flags and, per query block, the range ``[lo, hi)`` of key blocks to visit."""
+    needed, full = _position_flags(cfg)
+    dynamic = _dynamic_flags(cfg, aux)
+    xp = np
+    if dynamic is not None:
+        needed, full = jnp.asarray(needed) & dynamic[0], jnp.asarray(full) & dynamic[1]
+        xp = jnp
+    full = full & needed
+    return needed, full, xp
+
+
+def _ranges(needed, xp):
+    """First and one-past-last True column of each row (``lo = hi = 0`` for empty rows)."""
+    nk = needed.shape[1]
+    any_ = needed.any(axis=1)
+    lo = xp.where(any_, xp.argmax(needed, axis=1), 0)
+    hi = xp.where(any_, nk - xp.argmax(needed[:, ::-1], axis=1), 0)
+    return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------
+# One tile
+# ----------------------------------------------------------------------------------------
+
+
+def _tile_mask(cfg: _Config, aux: dict, i, j) -> Array | None:
+    """Visible (query, key) pairs of tile ``(i, j)``, broadcastable to ``[N, K, G, bq, bk]``."""
+    bq, bk = cfg.block_q, cfg.block_k
+    # [bq, 1] and [1, bk] global positions
+    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    parts = []
+    if cfg.band_hi is not None:
+        parts.append(k_pos - q_pos <= cfg.band_hi)
+    if cfg.band_lo is not None:
+        parts.append(k_pos - q_pos >= cfg.band_lo)
+    if cfg.padded_kv > cfg.kv_len:
+        parts.append(k_pos < cfg.kv_len)
+    if aux["q_lengths"] is not None:
+        # [N, 1, 1, bq, 1]
+        parts.append(q_pos < aux["q_lengths"][:, None, None, None, None])
+    if aux["kv_lengths"] is not None:
+        # [N, 1, 1, 1, bk]
+        parts.append(k_pos < aux["kv_lengths"][:, None, None, None, None])
+    if aux["q_segments"] is not None:
+        q_ids = lax.dynamic_slice_in_dim(aux["q_segments"], i * bq, bq, axis=1)
+        k_ids = lax.dynamic_slice_in_dim(aux["kv_segments"], j * bk, bk, axis=1)
+        # [N, 1, 1, bq, bk]
+        parts.append((q_ids[:, :, None] == k_ids[:, None, :])[:, None, None])
+    if aux["mask"] is not None:
+        mask = aux["mask"]  # [Nm, Km, Gm, Lq, Lk]
+        if mask.shape[-2] > 1:
+            mask = lax.dynamic_slice_in_dim(mask, i * bq, bq, axis=3)
+        if mask.shape[-1] > 1:
+            mask = lax.dynamic_slice_in_dim(mask, j * bk, bk, axis=4)
+        parts.append(mask)
+    return masks_lib.combine_masks(*parts)
+
+
+def _tile_keep(cfg: _Config, aux: dict, i, j, shape: tuple[int, ...]) -> Array:
+    """Dropout keep decisions of tile ``(i, j)``, ``[N|1, K|1, G|1, bq, bk]``.
+
+    The counters are the element's row-major index in the dense dropout mask
+    ``[batch..., heads, q_len, kv_len]`` (shared axes counted as size 1), as in
+    :func:`jattn._prng.keep_mask`, so both paths draw the same mask.
+    """
+    n, k_heads, groups, bq, bk = shape
+    u32 = jnp.uint32
+    q = (i * bq + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, 1), 3)).astype(u32)
+    row = q
+    if cfg.dropout_rows_heads:
+        # head h = k * G + g, as the dense path's reshape lays them out
+        head = lax.broadcasted_iota(u32, (1, k_heads, groups, 1, 1), 1) * np.uint32(
+            groups
+        ) + lax.broadcasted_iota(u32, (1, k_heads, groups, 1, 1), 2)
+        row = row + head * np.uint32(cfg.q_len)
+    if cfg.dropout_rows_batch:
+        heads = cfg.num_heads if cfg.dropout_rows_heads else 1
+        batch = lax.broadcasted_iota(u32, (n, 1, 1, 1, 1), 0)
+        row = row + batch * np.uint32((heads * cfg.q_len) % 2**32)
+    col = (j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, bk), 4)).astype(u32)
+    return _prng.keep_from_counters(aux["dropout_words"], aux["dropout_threshold"], row, col)
+
+
+# ----------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------
+
+
+def _softmax_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _forward(cfg: _Config, q, k, v, aux):
+    """``(out, lse)``: out ``[N, K, G, Tq_pad, Dv]`` in q's dtype, lse ``[N, K, G, Tq_pad]``."""
+    n, k_heads, groups, _, _ = q.shape
+    dv = v.shape[-1]
+    bq, bk = cfg.block_q, cfg.block_k
+    nq = cfg.padded_q // bq
+    f32 = _softmax_dtype(q.dtype)
+    neg = masks_lib.large_negative(f32)
+    needed, full, xp = _schedule(cfg, aux)
+    lo, hi = _ranges(needed, xp)
+    needed_j, full_j = jnp.asarray(needed), jnp.asarray(full)
+    may_skip_inside = aux["q_segments"] is not None or aux["mask"] is not None
+    never_masked = xp is np and bool(np.all(full == needed))
+    keep_scale = None if not cfg.dropout else 1.0 / aux["keep_prob"]
+
+    def q_block(_, i):
+        # [N, K, G, bq, D]
+        q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+
+        def tile(carry, j, masked: bool):
+            m, row_sum, acc = carry
+            # [N, K, bk, D]
+            k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+            v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+            # [N, K, G, bq, D] x [N, K, bk, D] -> [N, K, G, bq, bk]
+            s = jnp.einsum(
+                "nkgqd,nkcd->nkgqc", q_i, k_j, precision=cfg.precision, preferred_element_type=f32
+            )
+            s = s * jnp.asarray(cfg.scale, f32)
+            visible = _tile_mask(cfg, aux, i, j) if masked else None
+            if visible is not None:
+                s = jnp.where(visible, s, neg)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            if visible is not None:
+                p = jnp.where(visible, p, 0.0)  # exactly zero, even in fully masked rows
+            alpha = jnp.exp(m - m_new)
+            row_sum = alpha * row_sum + p.sum(axis=-1)
+            if cfg.dropout:
+                keep = _tile_keep(cfg, aux, i, j, s.shape)
+                p = jnp.where(keep, p * keep_scale, 0.0)
+            # [N, K, G, bq, bk] x [N, K, bk, Dv] -> [N, K, G, bq, Dv]
+            pv = jnp.einsum(
+                "nkgqc,nkcd->nkgqd",
+                p.astype(v.dtype),
+                v_j,
+                precision=cfg.precision,
+                preferred_element_type=f32,
+            )
+            return m_new, row_sum, alpha[..., None] * acc + pv
+
+        def body(j, carry):
+            def compute(c):
+                if never_masked:
+                    return tile(c, j, masked=False)
+                return lax.cond(
+                    full_j[i, j],
+                    functools.partial(tile, j=j, masked=False),
+                    functools.partial(tile, j=j, masked=True),
+                    c,
+                )
+
+            if may_skip_inside:
+                return lax.cond(needed_j[i, j], compute, lambda c: c, carry)
+            return compute(carry)
+
+        init = (
+            jnp.full((n, k_heads, groups, bq), neg, f32),
+            jnp.zeros((n, k_heads, groups, bq), f32),
+            jnp.zeros((n, k_heads, groups, bq, dv), f32),
+        )
+        m, row_sum, acc = lax.fori_loop(lo[i], hi[i], body, init)
+        has_key = row_sum > 0
+        # A row that sees no key (row_sum == 0) has acc == 0: its output is exactly zero.
+        safe_sum = jnp.where(has_key, row_sum, 1.0)
+        out = acc / safe_sum[..., None]
+        lse = jnp.where(has_key, m + jnp.log(safe_sum), 0.0)
+        return None, (out.astype(q.dtype), lse)
+
+    _, (out, lse) = lax.scan(q_block, None, jnp.arange(nq))
+    # [nq, N, K, G, bq, Dv] -> [N, K, G, Tq_pad, Dv]
+    out = jnp.moveaxis(out, 0, 3).reshape(n, k_heads, groups, cfg.padded_q, dv)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(n, k_heads, groups, cfg.padded_q)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# Backward (FlashAttention-2): outer loop over key blocks, inner over the query blocks
+# that see them; dk, dv accumulate in the carry, dq in a full-length buffer.
+# ----------------------------------------------------------------------------------------
+
+
+def _backward(cfg: _Config, q, k, v, aux, out, lse, d_out):
+    n, k_heads, _, _, d = q.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    nk = cfg.padded_kv // bk
+    f32 = _softmax_dtype(q.dtype)
+    needed, full, xp = _schedule(cfg, aux)
+    needed_t, full_t = needed.T, full.T
+    lo, hi = _ranges(needed_t, xp)
+    needed_j, full_j = jnp.asarray(needed_t), jnp.asarray(full_t)
+    may_skip_inside = aux["q_segments"] is not None or aux["mask"] is not None
+    never_masked = xp is np and bool(np.all(full == needed))
+    keep_scale = None if not cfg.dropout else 1.0 / aux["keep_prob"]
+    scale = jnp.asarray(cfg.scale, f32)
+    # [N, K, G, Tq_pad]: rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term.
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
+    mm_dtype = q.dtype  # tile products run in the input dtype, accumulated in f32
+
+    def k_block(dq, j):
+        k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+        v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+
+        def tile(carry, i, masked: bool):
+            dq, dk, dv = carry
+            q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+            do_i = lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
+            lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
+            delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
+            # [N, K, G, bq, bk]
+            s = jnp.einsum(
+                "nkgqd,nkcd->nkgqc", q_i, k_j, precision=cfg.precision, preferred_element_type=f32
+            )
+            p = jnp.exp(s * scale - lse_i[..., None])
+            if masked:
+                visible = _tile_mask(cfg, aux, i, j)
+                if visible is not None:
+                    p = jnp.where(visible, p, 0.0)
+            # dP~ = dO V^T : [N, K, G, bq, Dv] x [N, K, bk, Dv] -> [N, K, G, bq, bk]
+            dp = jnp.einsum(
+                "nkgqd,nkcd->nkgqc",
+                do_i,
+                v_j,
+                precision=cfg.precision,
+                preferred_element_type=f32,
+            )
+            p_used = p
+            if cfg.dropout:
+                keep = _tile_keep(cfg, aux, i, j, s.shape)
+                p_used = jnp.where(keep, p * keep_scale, 0.0)
+                dp = jnp.where(keep, dp * keep_scale, 0.0)
+            # dV += P~^T dO : [N, K, G, bq, bk] x [N, K, G, bq, Dv] -> [N, K, bk, Dv]
+            dv = dv + jnp.einsum(
+                "nkgqc,nkgqd->nkcd",
+                p_used.astype(mm_dtype),
+                do_i,
+                precision=cfg.precision,
+                preferred_element_type=f32,
+            )
+            ds = (p * (dp - delta_i[..., None])).astype(mm_dtype)
+            # dQ_i += dS K * scale : [N, K, G, bq, bk] x [N, K, bk, D] -> [N, K, G, bq, D]
+            dq_i = jnp.einsum(
+                "nkgqc,nkcd->nkgqd", ds, k_j, precision=cfg.precision, preferred_element_type=f32
+            )
+            dq = lax.dynamic_update_slice_in_dim(
+                dq,
+                lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i * scale,
+                i * bq,
+                axis=3,
+            )
+            # dK += dS^T Q * scale : -> [N, K, bk, D]
+            dk = dk + scale * jnp.einsum(
+                "nkgqc,nkgqd->nkcd", ds, q_i, precision=cfg.precision, preferred_element_type=f32
+            )
+            return dq, dk, dv
+
+        def body(i, carry):
+            def compute(c):
+                if never_masked:
+                    return tile(c, i, masked=False)
+                return lax.cond(
+                    full_j[j, i],
+                    functools.partial(tile, i=i, masked=False),
+                    functools.partial(tile, i=i, masked=True),
+                    c,
+                )
+
+            if may_skip_inside:
+                return lax.cond(needed_j[j, i], compute, lambda c: c, carry)
+            return compute(carry)
+
+        init = (
+            dq,
+            jnp.zeros((n, k_heads, bk, d), f32),
+            jnp.zeros((n, k_heads, bk, v.shape[-1]), f32),
+        )
+        dq, dk, dv = lax.fori_loop(lo[j], hi[j], body, init)
+        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    dq0 = jnp.zeros(q.shape, f32)
+    dq, (dk, dv) = lax.scan(k_block, dq0, jnp.arange(nk))
+    # [nk, N, K, bk, D] -> [N, K, Tk_pad, D]
+    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
+    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+    return dq.astype(q.dtype), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: _Config, q, k, v, aux):
+    return _forward(cfg, q, k, v, aux)[0]
+
+
+def _attention_fwd(cfg, q, k, v, aux):
+    out, lse = _forward(cfg, q, k, v, aux)
+    return out, (q, k, v, aux, out, lse)
+
+
+def _attention_bwd(cfg, residuals, d_out):
+    q, k, v, aux, out, lse = residuals
+    dq, dk, dv = _backward(cfg, q, k, v, aux, out, lse, d_out)
+    return dq, dk, dv, jax.tree.map(lambda _: None, aux)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------
+
+
+def _mask_operand(mask: Array, batch: tuple[int, ...], num_heads: int, k_heads: int, cfg):
+    """A boolean mask broadcastable to ``[batch..., H, Tq, Tk]`` as ``[Nm, Km, Gm, Lq, Lk]``.
+
+    Axes of size 1 stay size 1 (nothing is materialised along them); full-length query
+    and key axes are padded with False to the tiled lengths.
+    """
+    mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + mask.shape)
+    m_batch = mask.shape[: len(batch)]
+    if all(s == 1 for s in m_batch):
+        mask = mask.reshape(1, *mask.shape[len(batch) :])
+    else:
+        mask = jnp.broadcast_to(mask, (*batch, *mask.shape[len(batch) :]))
+        mask = mask.reshape(math.prod(batch), *mask.shape[len(batch) :])
+    _, h, lq, lk = mask.shape
+    groups = num_heads // k_heads
+    mask = mask.reshape(mask.shape[0], k_heads, groups, lq, lk) if h > 1 else mask[:, :, None]
+    pad_q = cfg.padded_q - lq if lq > 1 else 0
+    pad_k = cfg.padded_kv - lk if lk > 1 else 0
+    if pad_q or pad_k:
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, pad_q), (0, pad_k)))
+    return mask
+
+
+def blockwise_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    local_window: tuple[int, int | None] | None = None,
+    mask: Array | None = None,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    query_segment_ids: Array | None = None,
+    key_value_segment_ids: Array | None = None,
+    dropout_rate: float | Array = 0.0,
+    dropout_rng: Array | None = None,
+    dropout_shared: tuple[bool, bool] = (False, False),
+    precision: Any = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> Array:
+    """Blockwise attention on validated inputs (see ``jattn.dot_product_attention``).
+
+    Args:
+      query: ``[batch..., q_len, H, D]`` (already validated and cast).
+      key: ``[batch..., kv_len, K, D]`` with ``H % K == 0``.
+      value: ``[batch..., kv_len, K, Dv]``.
+      scale: logit multiplier (a Python number).
+      is_causal: query ``i`` sees keys ``j <= i``.
+      local_window: ``(left, right)``: query ``i`` sees keys ``i-left ... i+right``
+        (``right=None``: unbounded).
+      mask: bool, broadcastable to ``[batch..., H, q_len, kv_len]``; True = attend.
+      query_seq_lengths: int ``[batch...]``; later queries give zero output.
+      key_value_seq_lengths: int ``[batch...]``; later keys are hidden.
+      query_segment_ids: int ``[batch..., q_len]``; with ``key_value_segment_ids``
+        ``[batch..., kv_len]``, a query sees only keys of its own segment.
+      key_value_segment_ids: see above.
+      dropout_rate: drop probability; active when ``dropout_rng`` is given.
+      dropout_rng: a ``jax.random`` key, or None for no dropout.
+      dropout_shared: ``(over_batch, over_heads)``: whether one mask is shared across the
+        batch dims / heads (``broadcast_dropout``).
+      precision: ``jax.lax.Precision`` of the tile products.
+      block_q: query tile length (default :data:`DEFAULT_BLOCK_Q`, capped at q_len).
+      block_k: key tile length (default :data:`DEFAULT_BLOCK_K`, capped at kv_len).
+
+    Returns:
+      ``[batch..., q_len, H, Dv]`` in the inputs' dtype.
+    """
+    *batch, q_len, num_heads, d = query.shape
+    kv_len, k_heads, dv = value.shape[-3:]
+    batch = tuple(batch)
+    n = math.prod(batch)
+    groups = num_heads // k_heads
+    bq = _pick_block(q_len, block_q or DEFAULT_BLOCK_Q)
+    bk = _pick_block(kv_len, block_k or DEFAULT_BLOCK_K)
+
+    band_lo = band_hi = None
+    if is_causal:
+        band_hi = 0
+    if local_window is not None:
+        left, right = local_window
+        band_lo = -int(left)
+        if right is not None:
+            band_hi = int(right) if band_hi is None else min(band_hi, int(right))
+    dropout = dropout_rng is not None
+    cfg = _Config(
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=bq,
+        block_k=bk,
+        scale=float(scale),
+        band_lo=band_lo,
+        band_hi=band_hi,
+        dropout=dropout,
+        dropout_rows_batch=not dropout_shared[0],
+        dropout_rows_heads=not dropout_shared[1],
+        num_heads=num_heads,
+        precision=precision,
+    )
+
+    def pad_len(x, axis, size):
+        extra = size - x.shape[axis]
+        if not extra:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(
+            x, widths, mode="edge" if jnp.issubdtype(x.dtype, jnp.integer) else "constant"
+        )
+
+    # [batch..., T, H, D] -> [N, K, G, Tq_pad, D]; keys/values -> [N, K, Tk_pad, D]
+    q = query.reshape(n, q_len, k_heads, groups, d).transpose(0, 2, 3, 1, 4)
+    q = pad_len(q, 3, cfg.padded_q)
+    k = pad_len(key.reshape(n, kv_len, k_heads, d).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
+    v = pad_len(value.reshape(n, kv_len, k_heads, dv).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
+
+    aux: dict[str, Any] = {
+        "q_lengths": None,
+        "kv_lengths": None,
+        "q_segments": None,
+        "kv_segments": None,
+        "mask": None,
+        "dropout_words": None,
+        "dropout_threshold": None,
+        "keep_prob": None,
+    }
+    if query_seq_lengths is not None:
+        aux["q_lengths"] = jnp.asarray(query_seq_lengths, jnp.int32).reshape(n)
+    if key_value_seq_lengths is not None:
+        aux["kv_lengths"] = jnp.asarray(key_value_seq_lengths, jnp.int32).reshape(n)
+    if query_segment_ids is not None:
+        q_ids = jnp.asarray(query_segment_ids, jnp.int32).reshape(n, q_len)
+        k_ids = jnp.asarray(key_value_segment_ids, jnp.int32).reshape(n, kv_len)
+        aux["q_segments"] = pad_len(q_ids, 1, cfg.padded_q)
+        aux["kv_segments"] = pad_len(k_ids, 1, cfg.padded_kv)
+    if mask is not None:
+        aux["mask"] = _mask_operand(mask, batch, num_heads, k_heads, cfg)
+    if dropout:
+        keep_prob = 1.0 - dropout_rate
+        aux["dropout_words"] = _prng.key_words(dropout_rng)
+        aux["dropout_threshold"] = _prng.keep_threshold(keep_prob)
+        aux["keep_prob"] = jnp.asarray(keep_prob, _softmax_dtype(query.dtype))
+
+    out = _attention(cfg, q, k, v, aux)
+    # [N, K, G, Tq_pad, Dv] -> [batch..., q_len, H, Dv]
+    out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
+    return out.reshape(*batch, q_len, num_heads, dv)
