@@ -18,7 +18,9 @@ Both are model-agnostic. The model comes in as a pure function of its parameters
 * ``forward_fn(params, tokens [B, S]) -> logits [B, S, V]``: a plain causal forward pass.
 
 Define these functions once (at module level or once per model): they are static jit
-arguments, hashed by identity, so a fresh lambda per call recompiles.
+arguments, hashed by identity, so a fresh lambda per call recompiles. For a Linen model,
+:class:`LinenDecodeFn` and :class:`LinenForwardFn` are ready-made (they compare equal
+for equal models, so they never recompile needlessly).
 
 Randomness is explicit: step ``i`` samples with ``jax.random.fold_in(key, i)``, so a key
 fixes the whole continuation, and ``temperature=0`` (greedy) needs no key.
@@ -26,6 +28,7 @@ fixes the whole continuation, and ``temperature=0`` (greedy) needs no key.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
 from functools import partial
@@ -38,7 +41,13 @@ import numpy as np
 from jattn import kvcache
 from jattn import masks as masks_lib
 
-__all__ = ["generate", "generate_recompute", "sample_next"]
+__all__ = [
+    "LinenDecodeFn",
+    "LinenForwardFn",
+    "generate",
+    "generate_recompute",
+    "sample_next",
+]
 
 Array = jax.Array
 DecodeFn = Callable[[Any, Array, Any, Array], tuple[Array, Any]]
@@ -302,3 +311,54 @@ def generate_recompute(
         temperature=temperature,
         top_k=top_k,
     )
+
+
+# ----------------------------------------------------------------------------------------
+# Adapters for Linen language models
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenDecodeFn:
+    """``decode_fn`` of a Linen language model whose attention keeps a ``'cache'`` collection.
+
+    Calls ``model.apply({'params': params, 'cache': cache}, tokens, num_new=num_new,
+    mutable=['cache'], **kwargs)``, so the model must take ``num_new`` (real tokens per row
+    of the chunk) and pass it to its :class:`jattn.linen.MultiHeadAttention` layers built
+    with ``decode=True``, as :class:`jattn.toy.TinyGPT` does. Its empty cache is
+    ``model.init(key, jnp.zeros((batch, capacity), jnp.int32))['cache']``.
+
+    Attributes:
+      model: the module, built in decode mode.
+      kwargs: extra call arguments as ``(name, value)`` pairs (hashable), e.g.
+        ``(("deterministic", True),)``.
+    """
+
+    model: Any
+    kwargs: tuple = ()
+
+    def __call__(self, params, tokens, cache, num_new):
+        logits, updated = self.model.apply(
+            {"params": params, "cache": cache},
+            tokens,
+            num_new=num_new,
+            mutable=["cache"],
+            **dict(self.kwargs),
+        )
+        return logits, updated["cache"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenForwardFn:
+    """``forward_fn`` of a Linen language model: ``model.apply({'params': params}, tokens)``.
+
+    Attributes:
+      model: the module (not in decode mode).
+      kwargs: extra call arguments as ``(name, value)`` pairs.
+    """
+
+    model: Any
+    kwargs: tuple = ()
+
+    def __call__(self, params, tokens):
+        return self.model.apply({"params": params}, tokens, **dict(self.kwargs))
