@@ -10,24 +10,15 @@ import argparse
 from pathlib import Path
 
 import jax
-import numpy as np
+
+from jattn import book
 
 # Where the default runs write their pictures (committed, and shown in the README).
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
 # The chapter's running example, "Your journey starts with one step": 6 tokens, 3-d embeddings.
-BOOK_TOKENS = ["Your", "journey", "starts", "with", "one", "step"]
-BOOK_INPUTS = np.array(
-    [
-        [0.43, 0.15, 0.89],  # Your
-        [0.55, 0.87, 0.66],  # journey
-        [0.57, 0.85, 0.64],  # starts
-        [0.22, 0.58, 0.33],  # with
-        [0.77, 0.25, 0.10],  # one
-        [0.05, 0.80, 0.55],  # step
-    ],
-    dtype=np.float32,
-)
+BOOK_TOKENS = list(book.TOKENS)
+BOOK_INPUTS = book.INPUTS
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:

@@ -7,24 +7,16 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+from jattn import book
+
 # Deterministic property tests in CI (and by default); `HYPOTHESIS_PROFILE=dev` explores more.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=25, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The book's running example: "Your journey starts with one step", 3-d embeddings.
-BOOK_INPUTS = np.array(
-    [
-        [0.43, 0.15, 0.89],  # Your
-        [0.55, 0.87, 0.66],  # journey
-        [0.57, 0.85, 0.64],  # starts
-        [0.22, 0.58, 0.33],  # with
-        [0.77, 0.25, 0.10],  # one
-        [0.05, 0.80, 0.55],  # step
-    ],
-    dtype=np.float32,
-)
-BOOK_TOKENS = ["Your", "journey", "starts", "with", "one", "step"]
+BOOK_INPUTS = book.INPUTS
+BOOK_TOKENS = list(book.TOKENS)
 
 
 @pytest.fixture

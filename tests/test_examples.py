@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import BOOK_INPUTS, BOOK_TOKENS
+from conftest import BOOK_INPUTS
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -54,12 +54,6 @@ def test_help(name, capsys):
         load(name).main(["--help"])
     assert exit_info.value.code == 0
     assert "--out" in capsys.readouterr().out
-
-
-def test_common_book_inputs_match_the_chapter():
-    common = load("_common")
-    np.testing.assert_array_equal(common.BOOK_INPUTS, BOOK_INPUTS)
-    assert common.BOOK_TOKENS == BOOK_TOKENS
 
 
 # --- 1. Two ways to mask -------------------------------------------------------------------
