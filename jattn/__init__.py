@@ -4,7 +4,9 @@ The pure core lives at the top level (masks and functional attention); the Flax
 modules are the submodules ``jattn.linen`` and ``jattn.nnx``.
 """
 
-from jattn import causality, masks
+import importlib
+
+from jattn import book, causality, masks
 from jattn.functional import (
     dot_product_attention,
     dot_product_attention_weights,
@@ -26,7 +28,19 @@ from jattn.masks import (
 
 __version__ = "0.1.0"
 
+# Submodules that import flax (or matplotlib) load on first use: `jattn.linen.MultiHeadAttention`
+# works after a plain `import jattn`, and `import jattn` stays light.
+_LAZY_SUBMODULES = ("convert", "generate", "kvcache", "linen", "nnx", "viz")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"jattn.{name}")
+    raise AttributeError(f"module 'jattn' has no attribute {name!r}")
+
+
 __all__ = [
+    "book",
     "causal_mask",
     "causality",
     "combine_masks",
