@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn import functional
+from jattn import functional, kvcache
 
 Array = jax.Array
 
@@ -233,6 +233,8 @@ def attend(
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     sow_weights: bool = False,
+    cache: kvcache.KVCache | None = None,
+    num_new=None,
 ):
     """Projected features in, attended features out: the modules' one call into the core.
 
@@ -252,20 +254,21 @@ def attend(
       dropout_rng: the dropout key when ``deterministic`` is False.
       return_weights: also return the weights ``[batch..., num_heads, T, T]`` (pre-dropout).
       sow_weights: sow the weights into the module as ``attention_weights``.
+      cache: decode mode: a :class:`jattn.kvcache.KVCache`; the keys and values are
+        appended to it (:func:`jattn.kvcache.update_and_attend`) and the queries attend
+        over everything it holds, so ``mask`` and the weights have ``capacity`` keys.
+      num_new: decode mode: int ``[batch...]``, real tokens of each row of the chunk.
 
     Returns:
-      Context ``[batch..., T, num_heads * head_dim]`` (and the weights if asked).
+      Context ``[batch..., T, num_heads * head_dim]`` (and the weights if asked); in
+      decode mode, ``(that, updated_cache)``.
     """
     # [batch..., T, H, D] and [batch..., T, K, D]
     q = split_heads(queries, num_heads)
     k = split_heads(keys, num_kv_heads)
     v = split_heads(values, num_kv_heads)
-    out = functional.dot_product_attention(
-        q,
-        k,
-        v,
+    options = dict(
         mask=mask,
-        is_causal=getattr(module, "causal", False),
         dropout_rate=getattr(module, "dropout", 0.0),
         dropout_rng=dropout_rng,
         deterministic=deterministic,
@@ -275,7 +278,22 @@ def attend(
         module=module if sow_weights else None,
         return_weights=return_weights,
     )
+    causal = getattr(module, "causal", False)
+    if cache is None and num_new is not None:
+        raise ValueError(
+            f"{type(module).__name__}: num_new (real tokens per row of a decoding chunk) is only "
+            "used in decode mode: Linen modules built with decode=True and a 'cache' collection, "
+            "NNX modules after init_cache() and called with decode=True."
+        )
+    if cache is None:
+        out = functional.dot_product_attention(q, k, v, is_causal=causal, **options)
+    else:
+        out, cache = kvcache.update_and_attend(
+            cache, q, k, v, num_new=num_new, causal=causal, **options
+        )
     if return_weights:
         context, weights = out
-        return merge_heads(context), weights
-    return merge_heads(out)
+        out = merge_heads(context), weights
+    else:
+        out = merge_heads(out)
+    return out if cache is None else (out, cache)

@@ -39,6 +39,15 @@ Conventions shared by every class:
 * ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask,
   giving a "leaky" model whose outputs depend on future tokens; the training demo uses it
   to show what the mask prevents.
+* ``decode=True`` (CausalAttention, the wrapper, MultiHeadAttention): autoregressive
+  decoding with a KV cache (:mod:`jattn.kvcache`), flax's way. ``init`` with an input
+  ``[batch..., capacity, d_in]`` creates the ``cache`` collection (``kv``: keys, values
+  and the filled length of each row; the wrapper has one per head) and returns the plain
+  forward pass; then ``apply({'params': p, 'cache': c}, chunk, mutable=['cache'])`` with
+  chunks of any length (a prompt, then one token at a time) appends to it and attends over
+  everything cached, causally per row. ``num_new=[batch...]`` says how many tokens of each
+  row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
+  ValueError in eager calls; under jit see :mod:`jattn.kvcache`.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _module_utils as mu
+from jattn import kvcache
 
 __all__ = [
     "CausalAttention",
@@ -116,6 +126,38 @@ class _Dropout(_Projections):
     """True: no dropout (inference). The call argument wins over this attribute."""
     broadcast_dropout: bool | str = False
     """Axes sharing one dropout mask: False (independent, as the book), True, 'batch', 'heads'."""
+    decode: bool = False
+    """Decode with a KV cache in the ``cache`` collection (see the module docstring)."""
+
+    def _attend(self, x, queries, keys, values, *, num_kv_heads=1, num_new=None, **kwargs):
+        """``mu.attend``; in decode mode through (and updating) the ``cache`` variable ``kv``."""
+        initialized = self.decode and self.has_variable("cache", "kv")
+        if self.decode:
+            # Sized by the input, flax's convention: init with x [batch..., capacity, d_in].
+            cache = self.variable(
+                "cache",
+                "kv",
+                kvcache.init_cache,
+                x.shape[:-2],
+                x.shape[-2],
+                num_kv_heads,
+                keys.shape[-1] // num_kv_heads,
+                dtype=keys.dtype,
+            )
+        if not initialized:  # not decoding, or init (which only creates the cache)
+            kw = {} if self.decode else {"num_new": num_new}
+            return mu.attend(self, queries, keys, values, num_kv_heads=num_kv_heads, **kwargs, **kw)
+        out, cache.value = mu.attend(
+            self,
+            queries,
+            keys,
+            values,
+            num_kv_heads=num_kv_heads,
+            cache=cache.value,
+            num_new=num_new,
+            **kwargs,
+        )
+        return out
 
     def _dropout_setup(self, deterministic, dropout_rng) -> tuple[bool, Array | None]:
         """``(deterministic, key)`` for this call; raises when dropout is active without a key."""
@@ -236,6 +278,7 @@ class CausalAttention(_Dropout):
         dropout_rng: Array | None = None,
         return_weights: bool = False,
         sow_weights: bool = False,
+        num_new=None,
     ):
         """Causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
 
@@ -247,18 +290,22 @@ class CausalAttention(_Dropout):
           dropout_rng: dropout key; default ``self.make_rng('dropout')``.
           return_weights: also return the pre-dropout weights ``[batch..., 1, T, T]``.
           sow_weights: sow them into ``intermediates/attention_weights``.
+          num_new: decode mode only: int ``[batch...]``, the real tokens of each row of
+            ``x`` (the rest is right padding); default all ``T``.
 
         Returns:
-          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
+          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
         """
         x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
         queries, keys, values = self._qkv(x, self.d_out, self.d_out, self.qkv_bias)
-        return mu.attend(
-            self,
+        return self._attend(
+            x,
             queries,
             keys,
             values,
+            num_new=num_new,
             mask=mask,
             deterministic=deterministic,
             dropout_rng=dropout_rng,
@@ -308,6 +355,7 @@ class MultiHeadAttentionWrapper(_Dropout):
                 causal=self.causal,
                 deterministic=self.deterministic,
                 broadcast_dropout=self.broadcast_dropout,
+                decode=self.decode,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 precision=self.precision,
@@ -325,11 +373,13 @@ class MultiHeadAttentionWrapper(_Dropout):
         dropout_rng: Array | None = None,
         return_weights: bool = False,
         sow_weights: bool = False,
+        num_new=None,
     ):
         """Runs every head on ``x [batch..., T, d_in]`` and concatenates their outputs.
 
         Args: as :class:`CausalAttention`; a ``dropout_rng`` given here is folded with the
-        head index, so each head drops independently.
+        head index, so each head drops independently. In decode mode each head keeps its
+        own cache (``cache/heads_{i}/kv``).
 
         Returns:
           ``[batch..., T, num_heads * d_out]``; with ``return_weights`` also the weights
@@ -345,6 +395,7 @@ class MultiHeadAttentionWrapper(_Dropout):
                 dropout_rng=None if dropout_rng is None else jax.random.fold_in(dropout_rng, i),
                 return_weights=return_weights,
                 sow_weights=sow_weights,
+                num_new=num_new,
             )
             for i, head in enumerate(self.heads)
         ]
@@ -406,6 +457,7 @@ class MultiHeadAttention(_Dropout):
         dropout_rng: Array | None = None,
         return_weights: bool = False,
         sow_weights: bool = False,
+        num_new=None,
     ):
         """Multi-head causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
 
@@ -417,9 +469,12 @@ class MultiHeadAttention(_Dropout):
           dropout_rng: dropout key; default ``self.make_rng('dropout')``.
           return_weights: also return the pre-dropout weights ``[batch..., num_heads, T, T]``.
           sow_weights: sow them into ``intermediates/attention_weights``.
+          num_new: decode mode only: int ``[batch...]``, the real tokens of each row of
+            ``x`` (the rest is right padding); default all ``T``.
 
         Returns:
-          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
+          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
         """
         x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
@@ -428,13 +483,14 @@ class MultiHeadAttention(_Dropout):
             x, self.d_out, self.kv_heads * self.head_dim, self.qkv_bias
         )
         # 2. attention per head, heads merged back: [batch..., T, d_out]
-        attended = mu.attend(
-            self,
+        attended = self._attend(
+            x,
             queries,
             keys,
             values,
             num_heads=self.num_heads,
             num_kv_heads=self.kv_heads,
+            num_new=num_new,
             mask=mask,
             deterministic=deterministic,
             dropout_rng=dropout_rng,

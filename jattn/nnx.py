@@ -38,6 +38,14 @@ Conventions shared by every class:
   ``y, inter = nnx.capture(model, nnx.Intermediate)(x, sow_weights=True)`` (flax 0.12
   deprecates sowing outside ``nnx.capture``).
 * ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask.
+* Decoding with a KV cache (CausalAttention, the wrapper, MultiHeadAttention), as
+  ``flax.nnx.MultiHeadAttention``: ``init_cache((batch..., capacity, d_in))`` creates an
+  empty ``nnx.Cache`` (:mod:`jattn.kvcache`; the wrapper makes one per head; calling it
+  again resets it), then ``module(chunk, decode=True)`` with chunks of any length (a
+  prompt, then one token at a time) appends to it and attends over everything cached,
+  causally per row. ``num_new=[batch...]`` says how many tokens of each row of the chunk
+  are real (ragged prompts, right-padded). Overflowing the capacity is a ValueError in
+  eager calls; under jit see :mod:`jattn.kvcache`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn import _module_utils as mu
+from jattn import kvcache
 
 __all__ = [
     "CausalAttention",
@@ -117,6 +126,53 @@ class _DropoutAttention(_Attention):
             except AttributeError:
                 stream = None  # neither stream: a training call must then pass rngs=
         self.rngs = nnx.data(stream)
+
+    def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+        """Creates an empty KV cache for ``decode=True`` calls (and resets a filled one).
+
+        Args:
+          input_shape: ``(batch..., capacity, d_in)``, the shape of the longest input the
+            cache must hold (flax's convention); ``capacity <= context_length``.
+          dtype: dtype of the cached keys and values.
+        """
+        name = type(self).__name__
+        input_shape = tuple(input_shape)
+        if len(input_shape) < 2 or input_shape[-1] != self.d_in:
+            raise ValueError(
+                f"{name}: input_shape must be (batch..., capacity, d_in={self.d_in}), got "
+                f"{input_shape}."
+            )
+        if input_shape[-2] > self.context_length:
+            raise ValueError(
+                f"{name}: capacity {input_shape[-2]} exceeds context_length "
+                f"{self.context_length}; the module never reads more tokens than that."
+            )
+        num_kv_heads, head_dim = self._cache_layout()
+        self.cache = nnx.Cache(
+            kvcache.init_cache(
+                input_shape[:-2], input_shape[-2], num_kv_heads, head_dim, dtype=dtype
+            )
+        )
+
+    def _cache_layout(self) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of the cached keys; single-head classes: ``(1, d_out)``."""
+        return 1, self.d_out
+
+    def _attend(self, queries, keys, values, *, decode, num_new, **kwargs):
+        """``mu.attend``; with ``decode`` through (and updating) the KV cache."""
+        if not decode:
+            return mu.attend(self, queries, keys, values, num_new=num_new, **kwargs)
+        cache = getattr(self, "cache", None)
+        if cache is None:
+            raise ValueError(
+                f"{type(self).__name__}: decode=True needs a KV cache; call "
+                "init_cache(input_shape) first, with input_shape = (batch..., capacity, d_in)."
+            )
+        out, updated = mu.attend(
+            self, queries, keys, values, cache=cache.get_value(), num_new=num_new, **kwargs
+        )
+        cache.set_value(updated)
+        return out
 
     def set_view(self, deterministic: bool | None = None):
         """Used by ``nnx.view``: sets ``deterministic`` when given."""
@@ -306,6 +362,8 @@ class CausalAttention(_DropoutAttention):
         rngs: RngsArg = None,
         return_weights: bool = False,
         sow_weights: bool = False,
+        decode: bool = False,
+        num_new=None,
     ):
         """Causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
 
@@ -317,19 +375,24 @@ class CausalAttention(_DropoutAttention):
           rngs: dropout key source for this call (overrides the stored stream).
           return_weights: also return the pre-dropout weights ``[batch..., 1, T, T]``.
           sow_weights: sow them as ``nnx.Intermediate`` ``attention_weights``.
+          decode: decode through the KV cache made by :meth:`init_cache`.
+          num_new: decode mode only: int ``[batch...]``, the real tokens of each row of
+            ``x`` (the rest is right padding); default all ``T``.
 
         Returns:
-          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
+          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
         """
         name = type(self).__name__
         x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
         deterministic, dropout_rng = self._dropout_setup(deterministic, rngs)
         queries, keys, values = self._qkv(x)
-        return mu.attend(
-            self,
+        return self._attend(
             queries,
             keys,
             values,
+            decode=decode,
+            num_new=num_new,
             mask=mask,
             deterministic=deterministic,
             dropout_rng=dropout_rng,
@@ -409,6 +472,11 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
             )
             setattr(self, f"heads_{i}", head)
 
+    def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+        """Creates (or resets) every head's KV cache; see :meth:`CausalAttention.init_cache`."""
+        for head in self.heads:
+            head.init_cache(input_shape, dtype)
+
     @property
     def heads(self) -> list[CausalAttention]:
         """The heads in order (the book's ``self.heads``)."""
@@ -423,12 +491,15 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         rngs: RngsArg = None,
         return_weights: bool = False,
         sow_weights: bool = False,
+        decode: bool = False,
+        num_new=None,
     ):
         """Runs every head on ``x [batch..., T, d_in]`` and concatenates their outputs.
 
         Args: as :class:`CausalAttention`. ``rngs`` given here go to every head: an
         ``nnx.Rngs`` or stream gives each head the next key in turn; a key is folded with
         the head index. Without it, each head draws from its own stored stream.
+        ``decode`` and ``num_new`` go to every head (each has its own cache).
 
         Returns:
           ``[batch..., T, num_heads * d_out]``; with ``return_weights`` also the weights
@@ -453,6 +524,8 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
                     rngs=head_rngs,
                     return_weights=return_weights,
                     sow_weights=sow_weights,
+                    decode=decode,
+                    num_new=num_new,
                 )
             )
         return mu.concat_heads(outs, return_weights)
@@ -522,6 +595,9 @@ class MultiHeadAttention(_DropoutAttention):
             rngs=rngs,
         )
 
+    def _cache_layout(self) -> tuple[int, int]:
+        return self.kv_heads, self.head_dim
+
     def __call__(
         self,
         x,
@@ -531,6 +607,8 @@ class MultiHeadAttention(_DropoutAttention):
         rngs: RngsArg = None,
         return_weights: bool = False,
         sow_weights: bool = False,
+        decode: bool = False,
+        num_new=None,
     ):
         """Multi-head causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
 
@@ -542,9 +620,13 @@ class MultiHeadAttention(_DropoutAttention):
           rngs: dropout key source for this call (overrides the stored stream).
           return_weights: also return the pre-dropout weights ``[batch..., num_heads, T, T]``.
           sow_weights: sow them as ``nnx.Intermediate`` ``attention_weights``.
+          decode: decode through the KV cache made by :meth:`init_cache`.
+          num_new: decode mode only: int ``[batch...]``, the real tokens of each row of
+            ``x`` (the rest is right padding); default all ``T``.
 
         Returns:
-          ``[batch..., T, d_out]`` (and the weights with ``return_weights``).
+          ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
+          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
         """
         name = type(self).__name__
         x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
@@ -552,11 +634,12 @@ class MultiHeadAttention(_DropoutAttention):
         # 1. projections: [batch..., T, d_out] and [batch..., T, kv_heads * head_dim]
         queries, keys, values = self._qkv(x)
         # 2. attention per head, heads merged back: [batch..., T, d_out]
-        attended = mu.attend(
-            self,
+        attended = self._attend(
             queries,
             keys,
             values,
+            decode=decode,
+            num_new=num_new,
             num_heads=self.num_heads,
             num_kv_heads=self.kv_heads,
             mask=mask,
