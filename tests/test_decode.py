@@ -18,6 +18,7 @@ from flax import nnx
 from jattn import convert
 from jattn import generate as gen
 from jattn import linen as L
+from jattn import nnx as N
 
 CAPACITY = 10
 PROMPT_LENGTHS = np.array([3, 5, 1])  # ragged: right-padded to 5 in the prefill chunk
@@ -288,3 +289,45 @@ def test_generation_with_the_linen_modules_is_deterministic_per_key():
     np.testing.assert_array_equal(hot, sample(0, temperature=2.0))
     assert not np.array_equal(hot, sample(1, temperature=2.0))
     assert gen.LinenDecodeFn(TinyLM(decode=True)) == decode_fn  # hashable: jit reuses it
+
+
+class TinyNnxLM(nnx.Module):
+    """The same small LM in NNX: embedding -> jattn.nnx.MultiHeadAttention -> head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(13, 16, rngs=rngs)
+        self.attn = N.MultiHeadAttention(16, 16, 24, 0.0, 4, rngs=rngs)
+        self.head = nnx.Linear(16, 13, rngs=rngs)
+
+    def __call__(self, tokens, decode=False, num_new=None):
+        x = self.embed(tokens)
+        return self.head(x + self.attn(x, decode=decode, num_new=num_new))
+
+
+def test_generation_with_the_nnx_modules():
+    prompt = jnp.array([[1, 2, 3, 4], [5, 6, 0, 0]], jnp.int32)
+    lengths = jnp.array([4, 2], jnp.int32)
+    model = TinyNnxLM(nnx.Rngs(0))
+    model.attn.init_cache((2, 12, 16))
+    graphdef, params, cache = nnx.split(model, nnx.Param, nnx.Cache)
+
+    def decode_fn(params, tokens, cache, num_new):
+        model = nnx.merge(graphdef, params, cache)
+        logits = model(tokens, decode=True, num_new=num_new)
+        return logits, nnx.state(model, nnx.Cache)
+
+    def forward_fn(params, tokens):
+        return nnx.merge(graphdef, params, cache)(tokens)
+
+    key = jax.random.key(0)
+    for kw in ({}, {"temperature": 1.0, "top_k": 5}):
+        cached = gen.generate(
+            decode_fn, params, cache, prompt, lengths, max_new_tokens=8, key=key, **kw
+        )
+        again = gen.generate_recompute(
+            forward_fn, params, prompt, lengths, max_new_tokens=8, key=key, **kw
+        )
+        np.testing.assert_array_equal(cached, again)
+    # the capacity check sees the KVCache inside the NNX state
+    with pytest.raises(ValueError, match="KV cache holds 12 positions per row"):
+        gen.generate(decode_fn, params, cache, prompt, lengths, max_new_tokens=10)
