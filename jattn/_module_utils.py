@@ -87,6 +87,39 @@ def check_config(
     return num_kv_heads
 
 
+def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):
+    """A projection's ``(kernel_init, bias_init)``, annotated for tensor parallelism.
+
+    Megatron-style: Q/K/V kernels ``[d_in, heads * head_dim]`` are split by columns
+    (``split='columns'``: each device holds whole heads when ``model_axis`` divides the
+    head count), the output projection by rows (``split='rows'``: its input features are
+    the heads), so attention needs no communication and ``out_proj`` one all-reduce.
+
+    Args:
+      with_partitioning: ``flax.linen.with_partitioning`` or ``flax.nnx.with_partitioning``.
+      kernel_init: the kernel initializer.
+      bias_init: the bias initializer.
+      model_axis: mesh axis name to split over, or None (initializers returned unchanged:
+        no annotation, the parameter tree is plain arrays).
+      split: ``'columns'`` or ``'rows'``.
+
+    Raises:
+      TypeError: ``model_axis`` not a string or None.
+    """
+    if model_axis is None:
+        return kernel_init, bias_init
+    if not isinstance(model_axis, str):
+        raise TypeError(
+            f"model_axis must be the name of a mesh axis (a str) or None, got {model_axis!r}."
+        )
+    # kernel [d_in, d_out] and bias [d_out]
+    if split == "columns":
+        kernel_names, bias_names = (None, model_axis), (model_axis,)
+    else:
+        kernel_names, bias_names = (model_axis, None), (None,)
+    return with_partitioning(kernel_init, kernel_names), with_partitioning(bias_init, bias_names)
+
+
 # ----------------------------------------------------------------------------------------
 # Call-time checks
 # ----------------------------------------------------------------------------------------

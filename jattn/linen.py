@@ -53,6 +53,7 @@ Conventions shared by every class:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -96,23 +97,30 @@ class _Projections(nn.Module):
     bias_init: Initializer = default_bias_init
     """Initializer of every bias."""
 
-    def _dense(self, features: int, name: str, use_bias: bool) -> nn.Dense:
+    def _dense(
+        self, features: int, name: str, use_bias: bool, model_axis=None, split="columns"
+    ) -> nn.Dense:
+        # model_axis: annotate the kernel and bias for tensor parallelism (see mu).
+        kernel_init, bias_init = mu.tensor_parallel_inits(
+            nn.with_partitioning, self.kernel_init, self.bias_init, model_axis, split
+        )
         return nn.Dense(
             features,
             use_bias=use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             precision=self.precision,
-            kernel_init=self.kernel_init,
-            bias_init=self.bias_init,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
             name=name,
         )
 
-    def _qkv(self, x: Array, q_features: int, kv_features: int, use_bias: bool):
+    def _qkv(self, x: Array, q_features: int, kv_features: int, use_bias: bool, model_axis=None):
         """The three projections ``W_query, W_key, W_value`` of ``x [batch..., T, d_in]``."""
-        queries = self._dense(q_features, "W_query", use_bias)(x)  # [batch..., T, q_features]
-        keys = self._dense(kv_features, "W_key", use_bias)(x)  # [batch..., T, kv_features]
-        values = self._dense(kv_features, "W_value", use_bias)(x)  # [batch..., T, kv_features]
+        dense = functools.partial(self._dense, model_axis=model_axis)
+        queries = dense(q_features, "W_query", use_bias)(x)  # [batch..., T, q_features]
+        keys = dense(kv_features, "W_key", use_bias)(x)  # [batch..., T, kv_features]
+        values = dense(kv_features, "W_value", use_bias)(x)  # [batch..., T, kv_features]
         return queries, keys, values
 
 
@@ -418,6 +426,12 @@ class MultiHeadAttention(_Dropout):
       num_heads: number of query heads; must divide ``d_out``.
       qkv_bias: add a bias to the Q/K/V projections (``out_proj`` always has one).
       num_kv_heads: number of key/value heads (GQA); default ``num_heads``.
+      model_axis: tensor parallelism (not in the book): the mesh axis to split the heads
+        over. The Q/K/V kernels ``[d_in, heads * head_dim]`` and biases are partitioned
+        by columns, ``out_proj``'s kernel by rows (its bias replicated), through
+        ``nn.with_partitioning``: ``init`` returns ``nn.Partitioned`` boxes whose
+        ``nn.get_partition_spec`` gives the shardings. Default None: no annotations,
+        plain arrays. Pick a head count divisible by the axis size.
     """
 
     d_out: int
@@ -427,6 +441,7 @@ class MultiHeadAttention(_Dropout):
     qkv_bias: bool = False
     _: dataclasses.KW_ONLY
     num_kv_heads: int | None = None
+    model_axis: str | None = None
 
     def __post_init__(self):
         mu.check_config(
@@ -480,7 +495,7 @@ class MultiHeadAttention(_Dropout):
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
         # 1. projections: [batch..., T, d_out] and [batch..., T, kv_heads * head_dim]
         queries, keys, values = self._qkv(
-            x, self.d_out, self.kv_heads * self.head_dim, self.qkv_bias
+            x, self.d_out, self.kv_heads * self.head_dim, self.qkv_bias, self.model_axis
         )
         # 2. attention per head, heads merged back: [batch..., T, d_out]
         attended = self._attend(
@@ -499,5 +514,5 @@ class MultiHeadAttention(_Dropout):
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]
-        out = self._dense(self.d_out, "out_proj", use_bias=True)(context)
+        out = self._dense(self.d_out, "out_proj", True, self.model_axis, "rows")(context)
         return (out, weights) if return_weights else out

@@ -50,6 +50,7 @@ Conventions shared by every class:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -541,7 +542,11 @@ class MultiHeadAttention(_DropoutAttention):
 
     Args: as :class:`CausalAttention`, plus ``num_heads`` (must divide ``d_out``) and
     ``num_kv_heads`` (default ``num_heads``); ``qkv_bias`` applies to the Q/K/V projections
-    only (``out_proj`` always has a bias).
+    only (``out_proj`` always has a bias). ``model_axis`` (tensor parallelism, not in the
+    book): the mesh axis to split the heads over; the Q/K/V kernels and biases get
+    ``nnx.with_partitioning`` sharding metadata by columns, ``out_proj``'s kernel by rows
+    (its bias replicated). Built under ``jax.set_mesh(mesh)`` the parameters are created
+    sharded (flax's eager sharding); default None: no metadata, as before.
     """
 
     def __init__(
@@ -554,6 +559,7 @@ class MultiHeadAttention(_DropoutAttention):
         qkv_bias: bool = False,
         *,
         num_kv_heads: int | None = None,
+        model_axis: str | None = None,
         causal: bool = True,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
@@ -582,10 +588,18 @@ class MultiHeadAttention(_DropoutAttention):
         )
         self.head_dim = d_out // num_heads
         self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self.model_axis = model_axis
+        tp = functools.partial(mu.tensor_parallel_inits, nnx.with_partitioning)
         self._init_qkv(
-            d_in, d_out, self.kv_heads * self.head_dim, qkv_bias, kernel_init, bias_init, rngs
+            d_in,
+            d_out,
+            self.kv_heads * self.head_dim,
+            qkv_bias,
+            *tp(kernel_init, bias_init, model_axis, "columns"),
+            rngs,
         )
-        self.out_proj = self._linear(d_out, d_out, True, kernel_init, bias_init, rngs)
+        out_inits = tp(kernel_init, bias_init, model_axis, "rows")
+        self.out_proj = self._linear(d_out, d_out, True, *out_inits, rngs)
         self._init_dropout(
             dropout=float(dropout),
             causal=causal,
