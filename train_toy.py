@@ -175,6 +175,22 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+def _select_platform(jax, platform: str | None) -> list:
+    """Restricts JAX to ``platform`` (before any computation) and returns its devices."""
+    if platform is None:
+        return jax.devices()
+    # "gpu" is CUDA or ROCm; JAX's own "gpu" alias insists on both being installed.
+    candidates = ("cuda", "rocm") if platform == "gpu" else (platform,)
+    errors = []
+    for name in candidates:
+        jax.config.update("jax_platforms", name)
+        try:
+            return jax.devices()
+        except (RuntimeError, AssertionError) as e:  # not installed, or no such hardware
+            errors.append(str(e).splitlines()[0] if str(e) else f"no {name} device found")
+    _fail(f"--platform {platform}: no usable {platform} backend ({errors[0]})")
+
+
 def _table(summary: dict) -> str:
     floor = summary["entropy_floor"]
     cols = ["run", "train_loss", "eval_loss", "floor", "future_leak", "gen_acc", "steps",
@@ -205,14 +221,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    if args.platform is not None:
-        # Must precede any computation: the backend is chosen on first use.
-        jax.config.update("jax_platforms", "cuda,rocm" if args.platform == "gpu" else args.platform)
-    try:
-        devices = jax.devices()
-    except RuntimeError as e:
-        _fail(f"--platform {args.platform}: no usable {args.platform} backend "
-              f"({str(e).splitlines()[0]})")  # fmt: skip
+    devices = _select_platform(jax, args.platform)
     print(f"JAX {jax.__version__} on {jax.default_backend()}: {len(devices)} device(s): "
           + ", ".join(str(d) for d in devices))  # fmt: skip
 

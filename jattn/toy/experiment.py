@@ -13,6 +13,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -169,14 +170,19 @@ def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int, steps:
 
 def attention_weights(model: TinyGPT, variables, tokens_T) -> list[np.ndarray]:
     """Every block's attention weights ``[num_heads, T, T]`` for one sequence ``tokens [T]``."""
+    sown = _sown_weights(model, variables, tokens_T)
+    return [
+        np.asarray(sown[f"blocks_{i}"]["attn"]["attention_weights"][0][0])
+        for i in range(model.config.num_layers)
+    ]
+
+
+@partial(jax.jit, static_argnums=0)
+def _sown_weights(model: TinyGPT, variables, tokens_T):
     _, state = model.apply(
         variables, tokens_T[None], deterministic=True, sow_attention=True, mutable=["intermediates"]
     )
-    blocks = state["intermediates"]
-    return [
-        np.asarray(blocks[f"blocks_{i}"]["attn"]["attention_weights"][0][0])
-        for i in range(model.config.num_layers)
-    ]
+    return state["intermediates"]
 
 
 def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -230,7 +236,7 @@ def run_experiment(
     until: int | None = None,
     num_eval: int = 256,
     echo: Callable[[str], None] = print,
-) -> dict:
+) -> dict | None:
     """Trains and measures each run; writes the results under ``out_dir``.
 
     Args:
@@ -247,7 +253,8 @@ def run_experiment(
       echo: where one-line messages go.
 
     Returns:
-      The summary written to ``summary.json``.
+      The summary written to ``summary.json``, or None when ``until`` stopped the runs
+      before ``train_config.steps`` (then only checkpoints and metrics are written).
     """
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs or len(set(runs)) != len(runs):
@@ -274,17 +281,31 @@ def run_experiment(
             state, saved = ckpt.restore(state)
             seconds_before = saved["seconds"]
             echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
-        start = int(state.step)
-        log.truncate(name, start)
-        results[name] = _train_one(
-            name, model, task, train_config, state, ckpt, log,
-            eval_windows=eval_windows, seconds_before=seconds_before, tokens_per_step=tokens_per_step,
-            until=until, progress=progress,
+        log.truncate(name, int(state.step))
+        state, seconds = _train_one(
+            name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
+            seconds_before=seconds_before, tokens_per_step=tokens_per_step, until=until,
+            progress=progress,
         )  # fmt: skip
-        variables = results[name].pop("variables")
-        attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
-        samples[name] = results[name].pop("generated")[0]
         ckpt.close()
+        steps = int(state.step)
+        if steps < train_config.steps:  # stopped early by `until`: measure when finished
+            echo(f"{name}: stopped at step {steps} of {train_config.steps}; resume to finish")
+            continue
+        variables = {"params": state.params}
+        measured = evaluate(
+            model, variables, task, eval_windows, seed=train_config.seed, steps=steps
+        )
+        samples[name] = measured.pop("generated")[0]
+        results[name] = {
+            **measured,
+            "steps": steps,
+            "seconds": seconds,
+            "tokens_per_second": steps * tokens_per_step / seconds,
+        }
+        attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
+    if len(results) < len(runs):
+        return None
 
     summary = {
         "task": task.name,
@@ -313,8 +334,13 @@ def run_experiment(
 def _train_one(
     name, model, task, cfg, state, ckpt, log, *, eval_windows, seconds_before, tokens_per_step,
     until, progress,
-) -> dict:  # fmt: skip
-    """Trains one run from ``state`` and measures it; returns its summary entry."""
+) -> tuple:  # fmt: skip
+    """Trains one run from ``state`` with a progress bar, logging and checkpoints.
+
+    Returns:
+      ``(state, seconds)``: the final state and the run's training time, earlier
+      sessions included.
+    """
     from tqdm.auto import tqdm
 
     start = int(state.step)
@@ -342,18 +368,4 @@ def _train_one(
         on_checkpoint=on_checkpoint,
     )  # fmt: skip
     bar.close()
-    steps = int(state.step)
-    seconds += seconds_before
-    variables = {"params": state.params}
-    measured = evaluate(model, variables, task, eval_windows, seed=cfg.seed, steps=steps)
-    return {
-        **{
-            k: measured[k]
-            for k in ("train_loss", "eval_loss", "future_leak", "generation_accuracy")
-        },
-        "steps": steps,
-        "seconds": seconds,
-        "tokens_per_second": steps * tokens_per_step / seconds if seconds > 0 else 0.0,
-        "generated": measured["generated"],
-        "variables": variables,
-    }
+    return state, seconds_before + seconds

@@ -12,6 +12,7 @@ step ``k`` computes exactly the steps ``k, k+1, ...`` an uninterrupted run would
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,13 +138,26 @@ def learning_rate(cfg: TrainConfig, step) -> jax.Array:
 
 
 def init_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
-    """Step 0: initial parameters from the seed's ``init`` stream and a fresh optimizer."""
-    params = init_variables(model_cfg, stream_key(cfg.seed, "init"))["params"]
+    """Step 0: initial parameters from the seed's ``init`` stream and a fresh optimizer.
+
+    The arrays are committed to the default device, as restored checkpoints are, so a
+    fresh and a resumed state hit the same compiled train step.
+    """
+    keys = stream_key(cfg.seed, "init"), stream_key(cfg.seed, "dropout")
+    # The mask has no parameters: causal and leaky runs share one compiled initializer.
+    shared_cfg = dataclasses.replace(model_cfg, causal=True)
+    return jax.device_put(_init_state(shared_cfg, cfg, *keys), jax.devices()[0])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_state(model_cfg: GPTConfig, cfg: TrainConfig, init_key, dropout_key) -> TrainState:
+    # Jitted: one compilation instead of one per initializer op.
+    params = init_variables(model_cfg, init_key)["params"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=make_optimizer(cfg).init(params),
-        dropout_key=jax.random.key_data(stream_key(cfg.seed, "dropout")),
+        dropout_key=jax.random.key_data(dropout_key),
     )
 
 
@@ -154,11 +168,13 @@ def next_token_loss(logits_BxTxV, targets_BxT) -> jax.Array:
     ).mean()
 
 
+@functools.cache
 def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
     """The jitted update ``(state, windows [B, T+1]) -> (state, metrics)``.
 
     The state is donated (its buffers are reused for the new state), so the caller must
-    not touch the old state after the call. ``metrics`` holds the step's training loss
+    not touch the old state after the call. Cached per ``(model, cfg)``, so a resumed
+    session in the same process reuses the compiled step. ``metrics`` holds the step's training loss
     (dropout on), the gradient norm before clipping and the learning rate.
     """
     tx = make_optimizer(cfg)
@@ -182,7 +198,7 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
         )
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": learning_rate(cfg, state.step),
         }
         return new_state, metrics

@@ -1,0 +1,403 @@
+"""Tests of the training demo (jattn.toy and train_toy.py).
+
+The end-to-end tests run the real code path with a tiny model and few steps: once through
+the command line (a subprocess, as a user runs it) and once in-process split into two
+sessions (stop, then --resume), which must end bit-exactly where the single run ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import itertools
+import json
+import math
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jattn.nnx
+from jattn import convert
+from jattn.toy import (
+    Checkpointer,
+    CopyTask,
+    GPTConfig,
+    TextTask,
+    TinyGPT,
+    TrainConfig,
+    greedy_generate,
+    init_state,
+    make_train_step,
+    run_experiment,
+)
+from jattn.toy.experiment import OutputFolderError
+from jattn.toy.train import make_optimizer, next_token_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = jax.devices()[0]
+
+# A tiny setting that still learns something in a few dozen steps.
+TINY = dict(num_symbols=4, prefix_len=4, batch_size=16, seed=3)
+TINY_MODEL = dict(d_model=16, num_layers=1, num_heads=2, dropout=0.1)
+STEPS, STOP_AT = 40, 25
+TINY_FLAGS = [
+    "--num-symbols", "4", "--prefix-len", "4", "--batch-size", "16", "--seed", "3",
+    "--d-model", "16", "--num-layers", "1", "--num-heads", "2", "--dropout", "0.1",
+    "--steps", str(STEPS), "--checkpoint-every", "10", "--eval-every", "10", "--no-progress",
+]  # fmt: skip
+
+
+def _tiny_configs():
+    task = CopyTask(**TINY)
+    model = GPTConfig(task.vocab_size, task.context_length, **TINY_MODEL)
+    train = TrainConfig(steps=STEPS, seed=TINY["seed"], checkpoint_every=10, eval_every=10)
+    return task, model, train
+
+
+def _cli(*args, cwd=ROOT, timeout=300):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train_toy.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# End to end: the command line, and resume == uninterrupted
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """``train_toy.py`` with tiny settings, run in-process (its ``main``) to share compilations."""
+    out = tmp_path_factory.mktemp("toy") / "cli"
+    spec = importlib.util.spec_from_file_location("train_toy", ROOT / "train_toy.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert cli.main([*TINY_FLAGS, "--out", str(out)]) == 0
+    return out, stdout.getvalue()
+
+
+def test_cli_run_outputs(cli_run):
+    out, stdout = cli_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert isinstance(summary["task"], str) and summary["task"] == "copy"
+    assert summary["entropy_floor"] == pytest.approx(3 * math.log(4) / 8, abs=1e-15)
+    assert summary["platform"] == jax.default_backend()
+    assert isinstance(summary["devices"], int) and summary["devices"] >= 1
+    assert set(summary["runs"]) == {"causal", "leaky"}
+    types = {
+        "train_loss": float,
+        "eval_loss": float,
+        "future_leak": float,
+        "generation_accuracy": float,
+        "steps": int,
+        "seconds": float,
+        "tokens_per_second": float,
+    }
+    for run in summary["runs"].values():
+        assert {k: type(run[k]) for k in types} == types
+        assert run["steps"] == STEPS and 0.0 <= run["generation_accuracy"] <= 1.0
+        assert run["seconds"] > 0 and run["tokens_per_second"] > 0
+    # The causal model cannot see the future at all; the leaky one does.
+    assert summary["runs"]["causal"]["future_leak"] == 0.0
+    assert summary["runs"]["leaky"]["future_leak"] > 1e-3
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for name in ("causal", "leaky"):
+        losses = [r["loss"] for r in records if r["run"] == name and "loss" in r]
+        assert [r["step"] for r in records if r["run"] == name and "loss" in r] == list(
+            range(1, STEPS + 1)
+        )
+        # The loss decreases.
+        assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5])
+        evals = [r["step"] for r in records if r["run"] == name and "eval_loss" in r]
+        assert evals == [10, 20, 30, 40]
+    for name in ("loss.png", "attention.png", "config.json"):
+        assert (out / name).stat().st_size > 0
+    assert Checkpointer(out / "checkpoints" / "causal").latest_step() == STEPS
+    # The printed table has a row per run with the summary's numbers.
+    rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.strip()}
+    for name, run in summary["runs"].items():
+        assert rows[name][1] == f"{run['train_loss']:.4f}"
+        assert rows[name][5] == f"{run['generation_accuracy']:.3f}"
+
+
+def test_resume_equals_uninterrupted(cli_run, tmp_path):
+    """Stop at step 25 (not a checkpoint multiple), resume: the same params, losses, numbers."""
+    full_out, _ = cli_run
+    task, model_cfg, train_cfg = _tiny_configs()
+    out = tmp_path / "split"
+    kwargs = dict(out_dir=out, progress=False, echo=lambda _: None)
+    assert run_experiment(task, model_cfg, train_cfg, until=STOP_AT, **kwargs) is None
+    assert Checkpointer(out / "checkpoints" / "leaky").latest_step() == STOP_AT
+    resumed = run_experiment(task, model_cfg, train_cfg, resume=True, **kwargs)
+    full = json.loads((full_out / "summary.json").read_text())
+    for name in ("causal", "leaky"):
+        like = init_state(dataclasses.replace(model_cfg, causal=name == "causal"), train_cfg)
+        a, _ = Checkpointer(full_out / "checkpoints" / name).restore(like)
+        b, _ = Checkpointer(out / "checkpoints" / name).restore(like)
+        chex.assert_trees_all_equal(a, b)  # bit-exact: params, optimizer state, step, key
+        for key in ("train_loss", "eval_loss", "future_leak", "generation_accuracy", "steps"):
+            assert resumed["runs"][name][key] == full["runs"][name][key], key
+
+    def losses(path):
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        return sorted(
+            (r["run"], r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r
+        )
+
+    assert losses(out) == losses(full_out)
+
+
+def test_output_folder_errors(tmp_path):
+    task, model_cfg, train_cfg = _tiny_configs()
+    kwargs = dict(out_dir=tmp_path, progress=False)
+    with pytest.raises(OutputFolderError, match="holds no run"):
+        run_experiment(task, model_cfg, train_cfg, resume=True, **kwargs)
+    run_experiment(task, model_cfg, train_cfg, until=1, runs=("causal",), **kwargs)
+    with pytest.raises(OutputFolderError, match="already holds a run"):
+        run_experiment(task, model_cfg, train_cfg, runs=("causal",), **kwargs)
+    other = dataclasses.replace(train_cfg, learning_rate=1e-2)
+    with pytest.raises(OutputFolderError, match=r"settings differ.*learning_rate: 0.003 -> 0.01"):
+        run_experiment(task, model_cfg, other, resume=True, runs=("causal",), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--steps", "-5"], "--steps: must be >= 1, got -5"),
+        (["--text", "/no/such/file.txt"], "--text: no such file: /no/such/file.txt"),
+        (["--platform", "abacus"], "--platform: invalid choice: 'abacus'"),
+        (["--runs", "causal,sideways"], "--runs: expected distinct names"),
+        (["--d-model", "10", "--num-heads", "4"], "must be a multiple of --num-heads"),
+        (["--dropout", "1.5"], "--dropout: must be in [0.0, 1.0), got 1.5"),
+        (["--resume"], "--resume needs --out"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message):
+    proc = _cli(*args, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("train_toy.py: error: ") and message in proc.stderr
+
+
+def test_cli_unusable_platform(tmp_path):
+    try:
+        jax.devices("tpu")
+        pytest.skip("this machine has a TPU")
+    except RuntimeError:
+        pass
+    proc = _cli("--platform", "tpu", "--out", str(tmp_path / "x"), timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("train_toy.py: error: --platform tpu: no usable tpu backend")
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------
+
+
+def test_entropy_floor_by_hand():
+    # V = 4, L = 3: targets x2, x3 (ln 4 each), SEP, x1, x2, x3 (0 each): 2 ln 4 / 6.
+    assert CopyTask(num_symbols=4, prefix_len=3).entropy_floor == pytest.approx(
+        2 * math.log(4) / 6, abs=1e-15
+    )
+    # V = 16, L = 16 (the demo's default): 15 ln 16 / 32.
+    assert CopyTask().entropy_floor == pytest.approx(15 * math.log(16) / 32, abs=1e-15)
+    # L = 1: the only random token is never a target.
+    assert CopyTask(num_symbols=7, prefix_len=1).entropy_floor == 0.0
+
+
+@pytest.mark.parametrize("num_symbols,prefix_len", [(2, 3), (3, 2), (3, 3)])
+def test_entropy_floor_by_enumeration(num_symbols, prefix_len):
+    """H(target_t | inputs_<=t) from counting every window of the task, position by position."""
+    task = CopyTask(num_symbols=num_symbols, prefix_len=prefix_len)
+    sep = num_symbols
+    windows = [
+        (*p, sep, *p) for p in itertools.product(range(num_symbols), repeat=prefix_len)
+    ]  # all equally likely
+    entropies = []
+    for t in range(2 * prefix_len):  # the model reads window[: t + 1] and predicts window[t + 1]
+        by_context = defaultdict(Counter)
+        for w in windows:
+            by_context[w[: t + 1]][w[t + 1]] += 1
+        h = 0.0
+        for counts in by_context.values():
+            n = sum(counts.values())
+            h += n / len(windows) * -sum(c / n * math.log(c / n) for c in counts.values())
+        entropies.append(h)
+    np.testing.assert_allclose(task.target_entropies(), entropies, atol=1e-12)
+    assert task.entropy_floor == pytest.approx(np.mean(entropies), abs=1e-12)
+
+
+def test_copy_windows():
+    task = CopyTask(num_symbols=5, prefix_len=6, batch_size=64, seed=1)
+    w = np.asarray(task.train_batch(7))
+    assert w.shape == (64, 13) and w.dtype == np.int32
+    np.testing.assert_array_equal(w[:, 7:], w[:, :6])  # the copy
+    assert (w[:, 6] == task.sep_id).all() and task.sep_id == 5 == task.vocab_size - 1
+    assert w[:, :6].min() == 0 and w[:, :6].max() == 4  # every symbol, no separator
+    # The batch of a step depends on (seed, step) only.
+    np.testing.assert_array_equal(task.train_batch(7), CopyTask(5, 6, 64, 1).train_batch(7))
+    assert not np.array_equal(task.train_batch(7), task.train_batch(8))
+    assert not np.array_equal(task.train_batch(7), CopyTask(5, 6, 64, 2).train_batch(7))
+    # Held-out windows come from another stream than every training step.
+    held_out = np.asarray(task.eval_set(64))
+    assert not any(np.array_equal(held_out, task.train_batch(s)) for s in range(3))
+
+
+def test_text_windows():
+    text = "the quick brown fox jumps over the lazy dog. " * 12
+    task = TextTask(text, context_length=8, batch_size=5, seed=0, eval_fraction=0.25)
+    assert task.vocab_size == len(set(text)) and task.entropy_floor is None
+    split = round(len(text) * 0.75)
+    for windows, part in ((task.train_batch(3), text[:split]), (task.eval_set(20), text[split:])):
+        windows = np.asarray(windows)
+        assert windows.shape[1] == 9
+        for row in windows:
+            assert task.decode(row) in part  # a window of the right split, in order
+    with pytest.raises(ValueError, match="needs at least"):
+        TextTask("too short", context_length=8)
+
+
+# ----------------------------------------------------------------------------------------
+# Model, step, generation
+# ----------------------------------------------------------------------------------------
+
+
+def test_train_step_compiles_once_donates_and_uses_dropout():
+    task, model_cfg, train_cfg = _tiny_configs()
+    model = TinyGPT(model_cfg)
+    step = make_train_step(model, train_cfg)
+    state = init_state(model_cfg, train_cfg)
+    first_params = jax.tree.map(jnp.copy, state.params)
+    for s in range(3):
+        old = state
+        state, metrics = step(state, task.train_batch(s))
+        assert jax.tree.leaves(old.params)[0].is_deleted()  # donated: buffers reused
+    assert step._cache_size() == 1  # one compilation for every step
+    assert int(state.step) == 3 and np.isfinite(float(metrics["loss"]))
+
+    # Dropout is on in training: the same state and batch with another dropout key give
+    # another loss (through the same compiled step).
+    def loss_with(key_seed):
+        key = jax.random.key_data(jax.random.key(key_seed))
+        # Committed to the device like the rest of the state, so no new compilation.
+        st = init_state(model_cfg, train_cfg).replace(dropout_key=jax.device_put(key, DEVICE))
+        return float(step(st, task.train_batch(0))[1]["loss"])
+
+    assert loss_with(1) != loss_with(2)
+    assert step._cache_size() == 1
+    # The initial parameters do not depend on the mask.
+    leaky = init_state(dataclasses.replace(model_cfg, causal=False), train_cfg)
+    chex.assert_trees_all_equal(leaky.params, first_params)
+
+
+def test_greedy_generate_picks_the_argmax_given_the_past():
+    """Each generated token is the argmax of the model's logits given everything before it."""
+    task, model_cfg, train_cfg = _tiny_configs()
+    model = TinyGPT(model_cfg)
+    # The demo's shapes and (committed) arrays, so its compilation is reused.
+    variables = {"params": init_state(model_cfg, train_cfg).params}
+    windows = task.eval_set(256)
+    prompt_len = task.prompt_len
+    out = greedy_generate(model, variables, windows[:, :prompt_len], num_new_tokens=task.prefix_len)
+    assert out.shape == windows.shape
+    np.testing.assert_array_equal(out[:, :prompt_len], windows[:, :prompt_len])
+    # One teacher-forced call on the finished sequences: logits at position p - 1 see
+    # tokens 0 .. p - 1 only (causal), exactly what generation saw when it wrote token p.
+    logits = jax.jit(model.apply)(variables, out[:, :-1])  # [B, T, V]
+    np.testing.assert_array_equal(jnp.argmax(logits[:, prompt_len - 1 :], -1), out[:, prompt_len:])
+
+
+# ----------------------------------------------------------------------------------------
+# The other Flax API: the same GPT in NNX, from jattn.nnx.MultiHeadAttention
+# ----------------------------------------------------------------------------------------
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.ln_attn = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = jattn.nnx.MultiHeadAttention(
+            d, d, cfg.context_length, cfg.dropout, cfg.num_heads, causal=cfg.causal, rngs=rngs
+        )
+        self.ln_mlp = nnx.LayerNorm(d, rngs=rngs)
+        self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
+        self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
+        self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+    def __call__(self, x, *, deterministic):
+        x = x + self.drop(self.attn(self.ln_attn(x), deterministic=deterministic), deterministic=deterministic)  # fmt: skip
+        h = self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(x))))
+        return x + self.drop(h, deterministic=deterministic)
+
+
+class NNXTinyGPT(nnx.Module):
+    """jattn.toy.TinyGPT written in NNX, with the same parameter names."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.tok_emb = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.pos_emb = nnx.Embed(cfg.context_length, cfg.d_model, rngs=rngs)
+        for i in range(cfg.num_layers):
+            setattr(self, f"blocks_{i}", NNXBlock(cfg, rngs=rngs))
+        self.num_layers = cfg.num_layers
+        self.ln_final = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+        self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+    def __call__(self, tokens, *, deterministic=True):
+        x = self.tok_emb(tokens) + self.pos_emb(jnp.arange(tokens.shape[-1]))
+        x = self.drop(x, deterministic=deterministic)
+        for i in range(self.num_layers):
+            x = getattr(self, f"blocks_{i}")(x, deterministic=deterministic)
+        return self.head(self.ln_final(x))
+
+
+def test_nnx_gpt_trains_like_the_linen_gpt():
+    """The NNX GPT, loaded with the Linen GPT's weights, takes the same two AdamW steps."""
+    task, model_cfg, train_cfg = _tiny_configs()
+    cfg = dataclasses.replace(model_cfg, dropout=0.0)
+    state = init_state(cfg, train_cfg)
+    linen_model = TinyGPT(cfg)
+    params = jax.tree.map(jnp.copy, state.params)  # the Linen step donates state.params
+    nnx_model = convert.linen_to_nnx({"params": params}, NNXTinyGPT(cfg, rngs=nnx.Rngs(9)))
+    windows = task.train_batch(0)
+    optimizer = nnx.Optimizer(nnx_model, make_optimizer(train_cfg), wrt=nnx.Param)
+
+    @nnx.jit
+    def nnx_step(model, optimizer, windows):
+        def loss_of(model):
+            logits = model(windows[:, :-1], deterministic=False)
+            return next_token_loss(logits, windows[:, 1:])
+
+        loss, grads = nnx.value_and_grad(loss_of)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    # Two steps each (the first has learning rate 0: warmup starts at 0).
+    linen_step = make_train_step(linen_model, train_cfg)
+    state, _ = linen_step(state, windows)
+    nnx_step(nnx_model, optimizer, windows)
+    nnx_loss = nnx_step(nnx_model, optimizer, task.train_batch(1))
+    state, metrics = linen_step(state, task.train_batch(1))
+    assert float(nnx_loss) == pytest.approx(float(metrics["loss"]), rel=1e-5)
+    chex.assert_trees_all_close(
+        convert.nnx_to_linen(nnx_model)["params"], state.params, rtol=1e-5, atol=1e-6
+    )
