@@ -2,21 +2,27 @@
 
 JAX's default ``jax.random.bernoulli`` draws a mask from a threefry stream whose
 layout depends on the whole array shape, so a mask cannot be produced block by block,
-and on CPU it costs more than the attention it drops from (``benchmarks/bench_dropout.py``
-measures it). Here each dropout decision is a pure function of
+and on CPU it costs more than the attention it drops from (``benchmarks/results.md``
+measures every ``jax.random`` implementation). Here each dropout decision is a pure
+function of
 
 * four 32-bit words derived once from the caller's ``jax.random`` key, and
 * the element's coordinates ``(row, col)``: ``col`` is the index on the last axis
   (the key position) and ``row`` the row-major index over all the other axes of the
-  mask (batch..., head, query position), taken modulo 2**32,
+  mask (batch..., head, query position), taken modulo 2**32.
 
-computed with Philox-4x32-10, the counter-based generator of Salmon et al. (2011,
-"Parallel random numbers: as easy as 1, 2, 3"; also a ``jax.random`` key
-implementation), keyed by two of the words, with the counter ``(col, row, w2, w3)``.
+Two stages keep it cheap without weakening it:
+
+1. each row gets two 32-bit row keys from Philox-4x32-10 (Salmon et al. 2011, "Parallel
+   random numbers: as easy as 1, 2, 3"; also a ``jax.random`` implementation), keyed by
+   two of the words, at the counter ``(row, 0, w2, w3)``: one Philox call per row;
+2. each element's 32 bits are ``mix(mix(col ^ k0) ^ k1)``, with ``mix`` the "lowbias32"
+   multiply-xorshift hash (C. Wellons, hash-prospector): two multiplies per round.
+
 So the same key gives the same mask whether it is built at once (dense path) or one
-block at a time (blockwise path), whatever the block sizes, and another key gives an
-independent mask. The explicit-key contract is unchanged: the key is the only source
-of randomness, and nothing is stored between calls.
+block at a time (blockwise path), whatever the block sizes; another key gives an
+unrelated mask (its row keys are unrelated Philox outputs). The key stays the only
+source of randomness and nothing is stored between calls.
 """
 
 from __future__ import annotations
@@ -28,15 +34,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["keep_from_counters", "keep_mask", "keep_threshold", "key_words"]
+__all__ = [
+    "keep_from_counters",
+    "keep_mask",
+    "keep_threshold",
+    "key_words",
+    "random_bits",
+    "row_keys",
+]
 
 # Philox-4x32 constants from Random123: round multipliers and Weyl key increments.
 _M0 = np.uint32(0xD2511F53)
 _M1 = np.uint32(0xCD9E8D57)
 _W0 = np.uint32(0x9E3779B9)
 _W1 = np.uint32(0xBB67AE85)
-_ROUNDS = 10  # Random123's default; 7 is the fewest that pass BigCrush, 10 keeps a margin.
-_THRESHOLD_BITS = 24  # keep iff the top 24 bits < threshold: p is exact to 2**-24 (as jax)
+_ROUNDS = 10  # Random123's default (7 is the fewest that pass BigCrush)
+_THRESHOLD_BITS = 24  # keep iff the top 24 bits < threshold: p exact to 2**-24 (as jax's)
 
 
 def key_words(rng) -> jax.Array:
@@ -48,23 +61,55 @@ def key_words(rng) -> jax.Array:
     return jax.random.bits(rng, (4,), jnp.uint32)
 
 
-def _philox_word(words: jax.Array, row: jax.Array, col: jax.Array) -> jax.Array:
-    """First output word of Philox-4x32-10 at counter ``(col, row, w2, w3)``, key ``(w0, w1)``."""
-    k0, k1 = words[..., 0], words[..., 1]
-    x0, x1 = col, row
-    x2, x3 = words[..., 2], words[..., 3]
-    for r in range(_ROUNDS):
-        if r:
-            k0 = k0 + _W0
-            k1 = k1 + _W1
+def row_keys(words: jax.Array, row) -> tuple[jax.Array, jax.Array]:
+    """Two 32-bit keys per row: Philox-4x32-10 at counter ``(row, 0, w2, w3)``, key ``(w0, w1)``.
+
+    The rounds run as a (rolled) loop: XLA never fuses a loop into its consumer, so the
+    keys are computed once per row, not once per element of the ``[rows, cols]`` mask.
+    """
+    row = jnp.asarray(row, jnp.uint32)
+
+    def round_(r, state):
+        x0, x1, x2, x3 = state
+        # The key bumps by a Weyl constant each round: k_r = k + r * W.
+        k0 = words[..., 0] + r.astype(jnp.uint32) * _W0
+        k1 = words[..., 1] + r.astype(jnp.uint32) * _W1
         lo0, hi0 = lax.mul(_M0, x0), lax.mulhi(_M0, x0)
         lo1, hi1 = lax.mul(_M1, x2), lax.mulhi(_M1, x2)
-        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
-    return x0
+        return hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+
+    start = (
+        row,
+        jnp.zeros_like(row),
+        jnp.broadcast_to(words[..., 2], row.shape),
+        jnp.broadcast_to(words[..., 3], row.shape),
+    )
+    x0, x1, _, _ = lax.fori_loop(0, _ROUNDS, round_, start)
+    return x0, x1
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """lowbias32: a bijective 32-bit multiply-xorshift hash with near-ideal avalanche."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x21F0AAAD)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x735A2D97)
+    return x ^ (x >> np.uint32(15))
+
+
+def random_bits(keys: tuple[jax.Array, jax.Array], col) -> jax.Array:
+    """32 random bits per element: ``mix(mix(col ^ k0) ^ k1)`` for row keys ``(k0, k1)``.
+
+    Args:
+      keys: :func:`row_keys` of the elements' rows (uint32, broadcasting against ``col``).
+      col: uint32 index on the last mask axis.
+    """
+    k0, k1 = keys
+    return _mix(_mix(jnp.asarray(col, jnp.uint32) ^ k0) ^ k1)
 
 
 def keep_threshold(keep_prob) -> jax.Array:
-    """uint32 threshold ``t`` such that ``P(top 24 bits < t) = ceil(keep_prob * 2**24) / 2**24``."""
+    """uint32 ``t`` with ``P(top 24 bits < t) = ceil(keep_prob * 2**24) / 2**24``."""
     scale = float(2**_THRESHOLD_BITS)
     if isinstance(keep_prob, jax.core.Tracer):
         t = jnp.ceil(jnp.asarray(keep_prob, jnp.float32) * scale)
@@ -72,36 +117,32 @@ def keep_threshold(keep_prob) -> jax.Array:
     return jnp.asarray(min(math.ceil(float(keep_prob) * scale), 2**_THRESHOLD_BITS), jnp.uint32)
 
 
-def keep_from_counters(words: jax.Array, threshold: jax.Array, row, col) -> jax.Array:
-    """Boolean keep decisions for elements at ``(row, col)`` (uint32 arrays that broadcast).
+def keep_from_counters(keys: tuple[jax.Array, jax.Array], threshold: jax.Array, col) -> jax.Array:
+    """Boolean keep decisions (True = keep) for elements in rows with ``keys`` at columns ``col``.
 
     Args:
-      words: uint32 ``[4]`` from :func:`key_words`.
+      keys: :func:`row_keys` of the elements' rows.
       threshold: uint32 scalar from :func:`keep_threshold`.
-      row: uint32 row-major index over every mask axis but the last (mod 2**32).
-      col: uint32 index on the last mask axis.
-
-    Returns:
-      Boolean array of the broadcast shape of ``row`` and ``col``; True = keep.
+      col: uint32 index on the last mask axis; broadcasts against the keys.
     """
-    row, col = jnp.broadcast_arrays(jnp.asarray(row, jnp.uint32), jnp.asarray(col, jnp.uint32))
-    bits = _philox_word(words, row, col)
+    bits = random_bits(keys, col)
     return (bits >> np.uint32(32 - _THRESHOLD_BITS)) < threshold
 
 
 def keep_mask(rng, keep_prob, shape: tuple[int, ...]) -> jax.Array:
     """Boolean keep-mask of ``shape``, True with probability ``keep_prob``, from ``rng`` alone.
 
-    Element ``(i..., c)`` is decided by :func:`keep_from_counters` at ``row`` = the
-    row-major index of ``i...`` in ``shape[:-1]`` and ``col = c``, so any block of the
-    mask can be regenerated on its own.
+    Element ``(i..., c)`` is decided by :func:`keep_from_counters` with the row keys of
+    ``row`` = the row-major index of ``i...`` in ``shape[:-1]`` and ``col = c``, so any
+    block of the mask can be regenerated on its own.
     """
     shape = tuple(shape)
     if not shape:
         return keep_mask(rng, keep_prob, (1,)).reshape(())
     *lead, last = shape
-    # [prod(lead), last]: row-major row index, then the column on the last axis.
-    rows = lax.broadcasted_iota(jnp.uint32, (math.prod(lead), last), 0)
-    cols = lax.broadcasted_iota(jnp.uint32, (math.prod(lead), last), 1)
-    keep = keep_from_counters(key_words(rng), keep_threshold(keep_prob), rows, cols)
+    # [rows, 1] row-major row index and [1, last] column index
+    rows = lax.broadcasted_iota(jnp.uint32, (math.prod(lead), 1), 0)
+    cols = lax.broadcasted_iota(jnp.uint32, (1, last), 1)
+    keys = row_keys(key_words(rng), rows)
+    keep = keep_from_counters(keys, keep_threshold(keep_prob), cols)
     return keep.reshape(shape)

@@ -59,6 +59,8 @@ class _Config:
     dropout_rows_batch: bool  # the dropout row index counts batch / heads (False: shared)
     dropout_rows_heads: bool
     num_heads: int
+    kv_heads: int
+    batch_size: int  # product of the batch dims
     precision: Any
 
     @property
@@ -156,25 +158,70 @@ def _dynamic_flags(cfg: _Config, aux: dict) -> tuple[Array, Array] | None:
     return need, ful
 
 
-def _schedule(cfg: _Config, aux: dict):
-    """Tile flags and, per query block, the range ``[lo, hi)`` of key blocks to visit."""
+def _schedule(cfg: _Config, aux: dict) -> _Schedule:
+    """Which tiles to compute, and whether each needs an elementwise mask."""
     needed, full = _position_flags(cfg)
     dynamic = _dynamic_flags(cfg, aux)
-    xp = np
     if dynamic is not None:
-        needed, full = jnp.asarray(needed) & dynamic[0], jnp.asarray(full) & dynamic[1]
-        xp = jnp
-    full = full & needed
-    return needed, full, xp
+        needed = jnp.asarray(needed) & dynamic[0]
+        full = jnp.asarray(full) & dynamic[1] & needed
+    # Causal / window / length masks leave, in each row of tiles, one run of needed tiles
+    # with one run of full tiles inside it; segment ids and mask arrays may not.
+    runs = aux["q_segments"] is None and aux["mask"] is None
+    never_masked = dynamic is None and bool(np.all(full == needed))
+    return _Schedule(needed, full, runs, never_masked)
 
 
-def _ranges(needed, xp):
-    """First and one-past-last True column of each row (``lo = hi = 0`` for empty rows)."""
-    nk = needed.shape[1]
-    any_ = needed.any(axis=1)
-    lo = xp.where(any_, xp.argmax(needed, axis=1), 0)
-    hi = xp.where(any_, nk - xp.argmax(needed[:, ::-1], axis=1), 0)
-    return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    needed: Any  # bool [nq, nk] (numpy when static)
+    full: Any  # bool [nq, nk]: needed and no elementwise mask
+    runs: bool  # every row is: masked tiles, full tiles, masked tiles
+    never_masked: bool
+
+    def transposed(self) -> _Schedule:
+        return _Schedule(self.needed.T, self.full.T, self.runs, self.never_masked)
+
+    def bounds(self):
+        """Per row ``(lo, full_lo, full_hi, hi)`` int32: masked ``[lo, full_lo)``, full
+        ``[full_lo, full_hi)``, masked ``[full_hi, hi)`` (valid when ``runs``)."""
+        xp = np if isinstance(self.needed, np.ndarray) else jnp
+        lo, hi = _first_last(self.needed, xp)
+        full_lo, full_hi = _first_last(self.full, xp)
+        has_full = self.full.any(axis=1)
+        full_lo = xp.where(has_full, full_lo, hi)
+        full_hi = xp.where(has_full, full_hi, hi)
+        return tuple(jnp.asarray(b, jnp.int32) for b in (lo, full_lo, full_hi, hi))
+
+    def visit(self, row, tile, carry):
+        """Runs ``carry = tile(col, carry, masked=...)`` over the needed tiles of ``row``."""
+        if self.never_masked:
+            lo, _, _, hi = self.bounds()
+            return lax.fori_loop(lo[row], hi[row], functools.partial(tile, masked=False), carry)
+        if self.runs:
+            lo, full_lo, full_hi, hi = self.bounds()
+            masked = functools.partial(tile, masked=True)
+            carry = lax.fori_loop(lo[row], full_lo[row], masked, carry)
+            carry = lax.fori_loop(
+                full_lo[row], full_hi[row], functools.partial(tile, masked=False), carry
+            )
+            return lax.fori_loop(full_hi[row], hi[row], masked, carry)
+        lo, _, _, hi = self.bounds()
+        needed = jnp.asarray(self.needed)
+
+        def body(col, c):
+            return tile(col, c, masked=True, skip=jnp.logical_not(needed[row, col]))
+
+        return lax.fori_loop(lo[row], hi[row], body, carry)
+
+
+def _first_last(flags, xp):
+    """First and one-past-last True column of each row (0, 0 for a row with none)."""
+    n = flags.shape[1]
+    any_ = flags.any(axis=1)
+    first = xp.where(any_, xp.argmax(flags, axis=1), 0)
+    last = xp.where(any_, n - xp.argmax(flags[:, ::-1], axis=1), 0)
+    return first, last
 
 
 # ----------------------------------------------------------------------------------------
@@ -216,29 +263,43 @@ def _tile_mask(cfg: _Config, aux: dict, i, j) -> Array | None:
     return masks_lib.combine_masks(*parts)
 
 
-def _tile_keep(cfg: _Config, aux: dict, i, j, shape: tuple[int, ...]) -> Array:
-    """Dropout keep decisions of tile ``(i, j)``, ``[N|1, K|1, G|1, bq, bk]``.
+def _dropout_row_keys(cfg: _Config, aux: dict) -> tuple[Array, Array]:
+    """Dropout row keys of every query row, ``[N|1, K|1, G|1, Tq_pad]`` (one Philox call each).
 
-    The counters are the element's row-major index in the dense dropout mask
-    ``[batch..., heads, q_len, kv_len]`` (shared axes counted as size 1), as in
-    :func:`jattn._prng.keep_mask`, so both paths draw the same mask.
+    Rows are numbered as in the dense dropout mask ``[batch..., heads, q_len, kv_len]``
+    (row-major over all but the key axis; shared axes count as size 1), as
+    :func:`jattn._prng.keep_mask` numbers them, so both paths draw the same mask.
     """
-    n, k_heads, groups, bq, bk = shape
+    n, k_heads, groups = cfg.batch_size, cfg.kv_heads, cfg.num_heads // cfg.kv_heads
     u32 = jnp.uint32
-    q = (i * bq + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, 1), 3)).astype(u32)
-    row = q
+    row = lax.broadcasted_iota(u32, (1, 1, 1, cfg.padded_q), 3)
     if cfg.dropout_rows_heads:
         # head h = k * G + g, as the dense path's reshape lays them out
-        head = lax.broadcasted_iota(u32, (1, k_heads, groups, 1, 1), 1) * np.uint32(
+        head = lax.broadcasted_iota(u32, (1, k_heads, groups, 1), 1) * np.uint32(
             groups
-        ) + lax.broadcasted_iota(u32, (1, k_heads, groups, 1, 1), 2)
+        ) + lax.broadcasted_iota(u32, (1, k_heads, groups, 1), 2)
         row = row + head * np.uint32(cfg.q_len)
     if cfg.dropout_rows_batch:
         heads = cfg.num_heads if cfg.dropout_rows_heads else 1
-        batch = lax.broadcasted_iota(u32, (n, 1, 1, 1, 1), 0)
-        row = row + batch * np.uint32((heads * cfg.q_len) % 2**32)
-    col = (j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, bk), 4)).astype(u32)
-    return _prng.keep_from_counters(aux["dropout_words"], aux["dropout_threshold"], row, col)
+        row = row + lax.broadcasted_iota(u32, (n, 1, 1, 1), 0) * np.uint32(
+            (heads * cfg.q_len) % 2**32
+        )
+    return _prng.row_keys(aux["dropout_words"], row)
+
+
+def _tile_keep(cfg: _Config, aux: dict, keys, i, j, key_major: bool = False) -> Array:
+    """Dropout keep decisions of tile ``(i, j)``, ``[N|1, K|1, G|1, bq, bk]``.
+
+    ``keys`` are :func:`_dropout_row_keys`. With ``key_major`` the tile is laid out
+    ``[N|1, K|1, bk, G|1, bq]`` (the backward pass's tiles), built in that layout.
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    # [N|1, K|1, G|1, bq, 1] row keys and [1, 1, 1, 1, bk] key positions
+    tile_keys = [lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)[..., None] for x in keys]
+    col = (j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, bk), 4)).astype(jnp.uint32)
+    if key_major:
+        tile_keys, col = [_to_key_major(x) for x in tile_keys], _to_key_major(col)
+    return _prng.keep_from_counters(tuple(tile_keys), aux["dropout_threshold"], col)
 
 
 # ----------------------------------------------------------------------------------------
@@ -255,21 +316,17 @@ def _forward(cfg: _Config, q, k, v, aux):
     n, k_heads, groups, _, _ = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
-    nq = cfg.padded_q // bq
     f32 = _softmax_dtype(q.dtype)
     neg = masks_lib.large_negative(f32)
-    needed, full, xp = _schedule(cfg, aux)
-    lo, hi = _ranges(needed, xp)
-    needed_j, full_j = jnp.asarray(needed), jnp.asarray(full)
-    may_skip_inside = aux["q_segments"] is not None or aux["mask"] is not None
-    never_masked = xp is np and bool(np.all(full == needed))
+    schedule = _schedule(cfg, aux)
     keep_scale = None if not cfg.dropout else 1.0 / aux["keep_prob"]
+    drop_keys = _dropout_row_keys(cfg, aux) if cfg.dropout else None
 
     def q_block(_, i):
         # [N, K, G, bq, D]
         q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
 
-        def tile(carry, j, masked: bool):
+        def update(j, carry, masked: bool):
             m, row_sum, acc = carry
             # [N, K, bk, D]
             k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
@@ -289,7 +346,7 @@ def _forward(cfg: _Config, q, k, v, aux):
             alpha = jnp.exp(m - m_new)
             row_sum = alpha * row_sum + p.sum(axis=-1)
             if cfg.dropout:
-                keep = _tile_keep(cfg, aux, i, j, s.shape)
+                keep = _tile_keep(cfg, aux, drop_keys, i, j)
                 p = jnp.where(keep, p * keep_scale, 0.0)
             # [N, K, G, bq, bk] x [N, K, bk, Dv] -> [N, K, G, bq, Dv]
             pv = jnp.einsum(
@@ -301,27 +358,18 @@ def _forward(cfg: _Config, q, k, v, aux):
             )
             return m_new, row_sum, alpha[..., None] * acc + pv
 
-        def body(j, carry):
-            def compute(c):
-                if never_masked:
-                    return tile(c, j, masked=False)
-                return lax.cond(
-                    full_j[i, j],
-                    functools.partial(tile, j=j, masked=False),
-                    functools.partial(tile, j=j, masked=True),
-                    c,
-                )
-
-            if may_skip_inside:
-                return lax.cond(needed_j[i, j], compute, lambda c: c, carry)
-            return compute(carry)
+        def tile(j, carry, masked: bool, skip=None):
+            if skip is None:
+                return update(j, carry, masked)
+            # Only the running statistics pass through the branch (small: no [T, D] buffer).
+            return lax.cond(skip, lambda c: c, functools.partial(update, j, masked=masked), carry)
 
         init = (
             jnp.full((n, k_heads, groups, bq), neg, f32),
             jnp.zeros((n, k_heads, groups, bq), f32),
             jnp.zeros((n, k_heads, groups, bq, dv), f32),
         )
-        m, row_sum, acc = lax.fori_loop(lo[i], hi[i], body, init)
+        m, row_sum, acc = schedule.visit(i, tile, init)
         has_key = row_sum > 0
         # A row that sees no key (row_sum == 0) has acc == 0: its output is exactly zero.
         safe_sum = jnp.where(has_key, row_sum, 1.0)
@@ -329,7 +377,7 @@ def _forward(cfg: _Config, q, k, v, aux):
         lse = jnp.where(has_key, m + jnp.log(safe_sum), 0.0)
         return None, (out.astype(q.dtype), lse)
 
-    _, (out, lse) = lax.scan(q_block, None, jnp.arange(nq))
+    _, (out, lse) = lax.scan(q_block, None, jnp.arange(cfg.padded_q // bq))
     # [nq, N, K, G, bq, Dv] -> [N, K, G, Tq_pad, Dv]
     out = jnp.moveaxis(out, 0, 3).reshape(n, k_heads, groups, cfg.padded_q, dv)
     lse = jnp.moveaxis(lse, 0, 3).reshape(n, k_heads, groups, cfg.padded_q)
@@ -338,113 +386,115 @@ def _forward(cfg: _Config, q, k, v, aux):
 
 # ----------------------------------------------------------------------------------------
 # Backward (FlashAttention-2): outer loop over key blocks, inner over the query blocks
-# that see them; dk, dv accumulate in the carry, dq in a full-length buffer.
+# that see them; dk, dv accumulate in the carry, dq in a full-length buffer. Tiles are
+# computed transposed, [bk, G * bq], so that dK and dV are plain matrix products and
+# only dQ needs a transposed operand.
 # ----------------------------------------------------------------------------------------
 
 
+def _to_key_major(x: Array | None) -> Array | None:
+    """``[.., G, bq, bk]``-broadcastable (rank <= 5) -> ``[.., bk, G, bq]``-broadcastable."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (5 - x.ndim) + x.shape)
+    return jnp.transpose(x, (0, 1, 4, 2, 3))
+
+
 def _backward(cfg: _Config, q, k, v, aux, out, lse, d_out):
-    n, k_heads, _, _, d = q.shape
+    n, k_heads, groups, _, d = q.shape
     bq, bk = cfg.block_q, cfg.block_k
-    nk = cfg.padded_kv // bk
     f32 = _softmax_dtype(q.dtype)
-    needed, full, xp = _schedule(cfg, aux)
-    needed_t, full_t = needed.T, full.T
-    lo, hi = _ranges(needed_t, xp)
-    needed_j, full_j = jnp.asarray(needed_t), jnp.asarray(full_t)
-    may_skip_inside = aux["q_segments"] is not None or aux["mask"] is not None
-    never_masked = xp is np and bool(np.all(full == needed))
+    schedule = _schedule(cfg, aux).transposed()
     keep_scale = None if not cfg.dropout else 1.0 / aux["keep_prob"]
+    drop_keys = _dropout_row_keys(cfg, aux) if cfg.dropout else None
     scale = jnp.asarray(cfg.scale, f32)
     # [N, K, G, Tq_pad]: rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term.
     delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
     mm_dtype = q.dtype  # tile products run in the input dtype, accumulated in f32
 
     def k_block(dq, j):
+        # [N, K, bk, D]
         k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
         v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
 
-        def tile(carry, i, masked: bool):
-            dq, dk, dv = carry
+        def grads(i, masked: bool):
+            """This tile's contributions ``(dq_i, dk_j, dv_j)``."""
+            # [N, K, G, bq, D] and [N, K, 1, G, bq]
             q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
             do_i = lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
-            lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
-            delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-            # [N, K, G, bq, bk]
+            lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[:, :, None]
+            delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)[:, :, None]
+            # [N, K, bk, D] x [N, K, G, bq, D] -> [N, K, bk, G, bq]
             s = jnp.einsum(
-                "nkgqd,nkcd->nkgqc", q_i, k_j, precision=cfg.precision, preferred_element_type=f32
+                "nkcd,nkgqd->nkcgq", k_j, q_i, precision=cfg.precision, preferred_element_type=f32
             )
-            p = jnp.exp(s * scale - lse_i[..., None])
+            p = jnp.exp(s * scale - lse_i)
             if masked:
-                visible = _tile_mask(cfg, aux, i, j)
+                visible = _to_key_major(_tile_mask(cfg, aux, i, j))
                 if visible is not None:
                     p = jnp.where(visible, p, 0.0)
-            # dP~ = dO V^T : [N, K, G, bq, Dv] x [N, K, bk, Dv] -> [N, K, G, bq, bk]
+            # dP~ = (dO V^T)^T : [N, K, bk, Dv] x [N, K, G, bq, Dv] -> [N, K, bk, G, bq]
             dp = jnp.einsum(
-                "nkgqd,nkcd->nkgqc",
-                do_i,
-                v_j,
-                precision=cfg.precision,
-                preferred_element_type=f32,
+                "nkcd,nkgqd->nkcgq", v_j, do_i, precision=cfg.precision, preferred_element_type=f32
             )
             p_used = p
             if cfg.dropout:
-                keep = _tile_keep(cfg, aux, i, j, s.shape)
+                keep = _tile_keep(cfg, aux, drop_keys, i, j, key_major=True)
                 p_used = jnp.where(keep, p * keep_scale, 0.0)
                 dp = jnp.where(keep, dp * keep_scale, 0.0)
-            # dV += P~^T dO : [N, K, G, bq, bk] x [N, K, G, bq, Dv] -> [N, K, bk, Dv]
-            dv = dv + jnp.einsum(
-                "nkgqc,nkgqd->nkcd",
+            # dV = P~^T dO : [N, K, bk, G, bq] x [N, K, G, bq, Dv] -> [N, K, bk, Dv]
+            dv_j = jnp.einsum(
+                "nkcgq,nkgqd->nkcd",
                 p_used.astype(mm_dtype),
                 do_i,
                 precision=cfg.precision,
                 preferred_element_type=f32,
             )
-            ds = (p * (dp - delta_i[..., None])).astype(mm_dtype)
-            # dQ_i += dS K * scale : [N, K, G, bq, bk] x [N, K, bk, D] -> [N, K, G, bq, D]
+            ds = (p * (dp - delta_i)).astype(mm_dtype)
+            # dK = dS^T Q : [N, K, bk, G, bq] x [N, K, G, bq, D] -> [N, K, bk, D]
+            dk_j = jnp.einsum(
+                "nkcgq,nkgqd->nkcd", ds, q_i, precision=cfg.precision, preferred_element_type=f32
+            )
+            # dQ = dS K : [N, K, bk, G, bq] x [N, K, bk, D] -> [N, K, G, bq, D]
             dq_i = jnp.einsum(
-                "nkgqc,nkcd->nkgqd", ds, k_j, precision=cfg.precision, preferred_element_type=f32
+                "nkcgq,nkcd->nkgqd", ds, k_j, precision=cfg.precision, preferred_element_type=f32
             )
-            dq = lax.dynamic_update_slice_in_dim(
-                dq,
-                lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i * scale,
-                i * bq,
-                axis=3,
-            )
-            # dK += dS^T Q * scale : -> [N, K, bk, D]
-            dk = dk + scale * jnp.einsum(
-                "nkgqc,nkgqd->nkcd", ds, q_i, precision=cfg.precision, preferred_element_type=f32
-            )
-            return dq, dk, dv
+            return dq_i, dk_j, dv_j
 
-        def body(i, carry):
-            def compute(c):
-                if never_masked:
-                    return tile(c, i, masked=False)
-                return lax.cond(
-                    full_j[j, i],
-                    functools.partial(tile, i=i, masked=False),
-                    functools.partial(tile, i=i, masked=True),
-                    c,
+        def tile(i, carry, masked: bool, skip=None):
+            dq, dk, dv = carry
+            if skip is None:
+                dq_i, dk_j, dv_j = grads(i, masked)
+            else:
+                # The branch returns only this tile's small contributions; dq (a [T, D]
+                # buffer) is updated outside it, so it stays in place.
+                dq_i, dk_j, dv_j = lax.cond(
+                    skip,
+                    lambda: (
+                        jnp.zeros((n, k_heads, groups, bq, d), f32),
+                        jnp.zeros(dk.shape, f32),
+                        jnp.zeros(dv.shape, f32),
+                    ),
+                    lambda: grads(i, masked),
                 )
-
-            if may_skip_inside:
-                return lax.cond(needed_j[j, i], compute, lambda c: c, carry)
-            return compute(carry)
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i, i * bq, axis=3
+            )
+            return dq, dk + dk_j, dv + dv_j
 
         init = (
             dq,
             jnp.zeros((n, k_heads, bk, d), f32),
             jnp.zeros((n, k_heads, bk, v.shape[-1]), f32),
         )
-        dq, dk, dv = lax.fori_loop(lo[j], hi[j], body, init)
-        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+        dq, dk, dv = schedule.visit(j, tile, init)
+        return dq, ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
 
-    dq0 = jnp.zeros(q.shape, f32)
-    dq, (dk, dv) = lax.scan(k_block, dq0, jnp.arange(nk))
+    dq, (dk, dv) = lax.scan(k_block, jnp.zeros(q.shape, f32), jnp.arange(cfg.padded_kv // bk))
     # [nk, N, K, bk, D] -> [N, K, Tk_pad, D]
     dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
     dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
-    return dq.astype(q.dtype), dk, dv
+    return (dq * scale).astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -570,6 +620,8 @@ def blockwise_attention(
         dropout_rows_batch=not dropout_shared[0],
         dropout_rows_heads=not dropout_shared[1],
         num_heads=num_heads,
+        kv_heads=k_heads,
+        batch_size=n,
         precision=precision,
     )
 

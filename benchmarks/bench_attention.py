@@ -1,0 +1,671 @@
+"""Side-by-side attention benchmark: jattn (dense and blockwise) against its peers.
+
+One process, interleaved rounds: every round runs each candidate once (in a rotating
+order), so load from other processes hits all of them alike; times are medians over
+rounds and each ratio is the median of the per-round ratios. Compile time (lower +
+compile) is reported separately and never counted in a run time. Memory is the compiled
+executable's temporary buffer size (``compiled.memory_analysis().temp_size_in_bytes``).
+
+Sections (all float32, causal):
+
+* core: ``[B=1, T, H=8, D=64]`` at T = 256 ... 8192, forward and forward+backward
+  (gradient of ``out.sum()`` w.r.t. q, k, v) of jattn dense, jattn blockwise,
+  ``jax.nn.dot_product_attention`` (XLA), ``flax.linen.dot_product_attention`` and
+  PyTorch ``scaled_dot_product_attention`` (when torch is importable);
+* long: jattn blockwise forward+backward at T = 32768, once;
+* module: B=4, T=1024, C=768, H=12 multi-head attention with projections, forward and
+  forward+backward (gradients w.r.t. the parameters), of ``jattn.linen`` / ``jattn.nnx``
+  ``MultiHeadAttention``, a hand-written fused-QKV variant, flax's
+  ``linen.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` and a PyTorch
+  module built on ``scaled_dot_product_attention``;
+* dropout: the cost of a dropout mask from each ``jax.random`` key implementation and
+  from jattn's Philox counters, and a training step with dropout 0.1 against one without.
+
+Usage::
+
+    python benchmarks/bench_attention.py            # full run, writes results.md + .png
+    python benchmarks/bench_attention.py --quick --out /tmp/r.md   # tiny smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jattn
+import jattn.linen
+import jattn.nnx
+from jattn import _prng
+
+try:  # optional peer; never a dependency of jattn
+    import torch
+except ImportError:  # pragma: no cover - depends on the environment
+    torch = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCKWISE = "jattn blockwise"
+
+
+# ----------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One thing to time: ``run()`` executes it once and blocks until it is done."""
+
+    name: str
+    run: Callable[[], object]
+    compile_s: float | None = None
+    temp_bytes: int | None = None
+    times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times) if self.times else math.nan
+
+
+def jax_candidate(name: str, fn: Callable, *args) -> Candidate:
+    """Jits ``fn``, compiles it (timed), records its temp memory, runs it once to warm up."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    temp = None if memory is None else int(memory.temp_size_in_bytes)
+
+    def run():
+        return jax.block_until_ready(compiled(*args))
+
+    run()
+    return Candidate(name, run, compile_s, temp)
+
+
+def memory_only(fn: Callable, *args) -> int | None:
+    """Temp memory of ``fn`` compiled for ``args`` (compiled, never run)."""
+    memory = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return None if memory is None else int(memory.temp_size_in_bytes)
+
+
+def interleave(candidates: list[Candidate], rounds: int) -> None:
+    """Runs every candidate once per round, rotating the order, and records the times."""
+    for r in range(rounds):
+        shift = r % len(candidates)
+        for cand in candidates[shift:] + candidates[:shift]:
+            start = time.perf_counter()
+            cand.run()
+            cand.times.append(time.perf_counter() - start)
+
+
+def paired_ratio(a: Candidate, b: Candidate) -> float:
+    """Median over rounds of ``time(a) / time(b)`` in the same round."""
+    if not a.times or not b.times:
+        return math.nan
+    return statistics.median(x / y for x, y in zip(a.times, b.times, strict=True))
+
+
+# ----------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "—"
+    return f"{seconds * 1e3:,.1f}"
+
+
+def fmt_mb(nbytes: int | None) -> str:
+    return "—" if nbytes is None else f"{nbytes / 2**20:,.1f}"
+
+
+def fmt_ratio(x: float) -> str:
+    return "—" if x is None or math.isnan(x) else f"{x:.2f}x"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# Core attention: [B, T, H, D]
+# ----------------------------------------------------------------------------------------
+
+
+def core_functions() -> dict[str, Callable]:
+    """``name -> f(q, k, v)``: causal attention on ``[B, T, H, D]`` inputs."""
+
+    def flax_linen(q, k, v):
+        mask = nn.make_causal_mask(jnp.ones(q.shape[:2]), dtype=jnp.bool_)
+        return nn.dot_product_attention(q, k, v, mask=mask)
+
+    return {
+        "jattn dense": functools.partial(
+            jattn.dot_product_attention, is_causal=True, implementation="dense"
+        ),
+        BLOCKWISE: functools.partial(
+            jattn.dot_product_attention, is_causal=True, implementation="blockwise"
+        ),
+        "jax.nn (xla)": functools.partial(
+            jax.nn.dot_product_attention, is_causal=True, implementation="xla"
+        ),
+        "flax.linen": flax_linen,
+    }
+
+
+def grad_of_sum(fn: Callable) -> Callable:
+    """``(q, k, v) -> d sum(fn(q, k, v)) / d(q, k, v)``: one forward+backward."""
+    return jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))
+
+
+def torch_core(shape, backward: bool) -> Candidate:
+    b, t, h, d = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=gen, requires_grad=backward) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        if backward:
+            for x in (q, k, v):
+                x.grad = None
+            sdpa(q, k, v, is_causal=True).sum().backward()
+        else:
+            with torch.no_grad():
+                sdpa(q, k, v, is_causal=True)
+
+    run()
+    return Candidate("torch sdpa", run)
+
+
+def bench_core(lengths, *, batch, heads, head_dim, rounds, dense_max_len, log):
+    """Returns ``{(mode, T): [Candidate...]}`` and memory ``{(mode, T, name): bytes}``."""
+    results, memory = {}, {}
+    fns = core_functions()
+    for t in lengths:
+        shape = (batch, t, heads, head_dim)
+        keys = jax.random.split(jax.random.key(t), 3)
+        q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+        for mode in ("fwd", "fwd+bwd"):
+            cands = []
+            for name, fn in fns.items():
+                f = fn if mode == "fwd" else grad_of_sum(fn)
+                if name != BLOCKWISE and t > dense_max_len:
+                    memory[(mode, t, name)] = memory_only(f, q, k, v)  # too slow to time here
+                    continue
+                cand = jax_candidate(name, f, q, k, v)
+                memory[(mode, t, name)] = cand.temp_bytes
+                cands.append(cand)
+            if torch is not None:
+                cands.append(torch_core(shape, backward=mode == "fwd+bwd"))
+            interleave(cands, rounds)
+            results[(mode, t)] = cands
+            log(
+                f"core T={t} {mode}: "
+                + ", ".join(f"{c.name} {fmt_ms(c.median_s)} ms" for c in cands)
+            )
+    return results, memory
+
+
+def bench_long(t, *, batch, heads, head_dim, log):
+    """One blockwise forward+backward at a long T: (seconds, temp bytes, compile seconds)."""
+    shape = (batch, t, heads, head_dim)
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    cand = jax_candidate(BLOCKWISE, grad_of_sum(core_functions()[BLOCKWISE]), q, k, v)
+    interleave([cand], 1)
+    log(f"long T={t} fwd+bwd: {fmt_ms(cand.median_s)} ms, temp {fmt_mb(cand.temp_bytes)} MB")
+    return cand
+
+
+# ----------------------------------------------------------------------------------------
+# Modules: x [B, T, C] -> multi-head causal self-attention with projections
+# ----------------------------------------------------------------------------------------
+
+
+def fused_qkv_attention(params, x, num_heads):
+    """A hand-written MHA with one fused [C, 3C] QKV projection (for the fusion question)."""
+    *batch, t, c = x.shape
+    qkv = x @ params["W_qkv"]  # [B, T, 3C]: one matmul instead of three
+    q, k, v = (y.reshape(*batch, t, num_heads, c // num_heads) for y in jnp.split(qkv, 3, -1))
+    out = jattn.dot_product_attention(q, k, v, is_causal=True)
+    return out.reshape(*batch, t, c) @ params["out_kernel"] + params["out_bias"]
+
+
+def module_candidates(b, t, c, h, backward: bool) -> list[Candidate]:
+    x = jax.random.normal(jax.random.key(0), (b, t, c), jnp.float32)
+    causal = nn.make_causal_mask(jnp.ones((b, t)), dtype=jnp.bool_)
+    cands = []
+
+    def add_linen(name, module, **call_kw):
+        params = module.init(jax.random.key(1), x, **call_kw)
+        if backward:
+            fn = jax.grad(lambda p, x: module.apply(p, x, **call_kw).sum())
+        else:
+            fn = functools.partial(module.apply, **call_kw)
+        cands.append(jax_candidate(name, fn, params, x))
+
+    def add_nnx(name, model, **call_kw):
+        graphdef, state = nnx.split(model)
+
+        def forward(state, x):
+            return nnx.merge(graphdef, state)(x, **call_kw)
+
+        fn = jax.grad(lambda s, x: forward(s, x).sum()) if backward else forward
+        cands.append(jax_candidate(name, fn, state, x))
+
+    add_linen("jattn.linen MHA", jattn.linen.MultiHeadAttention(c, t, 0.0, h), deterministic=True)
+    add_nnx(
+        "jattn.nnx MHA",
+        jattn.nnx.MultiHeadAttention(c, c, t, 0.0, h, rngs=nnx.Rngs(0)),
+        deterministic=True,
+    )
+    keys = jax.random.split(jax.random.key(2), 2)
+    fused = {
+        "W_qkv": jax.random.normal(keys[0], (c, 3 * c)) / math.sqrt(c),
+        "out_kernel": jax.random.normal(keys[1], (c, c)) / math.sqrt(c),
+        "out_bias": jnp.zeros((c,)),
+    }
+    fused_fn = functools.partial(fused_qkv_attention, num_heads=h)
+    if backward:
+        fused_fn = jax.grad(lambda p, x: fused_qkv_attention(p, x, h).sum())
+    cands.append(jax_candidate("jattn fused-QKV", fused_fn, fused, x))
+    add_linen(
+        "flax.linen MHDPA",
+        nn.MultiHeadDotProductAttention(num_heads=h, qkv_features=c, out_features=c),
+        mask=causal,
+        deterministic=True,
+    )
+    add_nnx(
+        "flax.nnx MHA",
+        nnx.MultiHeadAttention(h, c, c, decode=False, rngs=nnx.Rngs(0)),
+        mask=causal,
+        deterministic=True,
+    )
+    if torch is not None:
+        cands.append(torch_module(b, t, c, h, backward))
+    return cands
+
+
+def torch_module(b, t, c, h, backward: bool) -> Candidate:
+    """The book's MultiHeadAttention in PyTorch, with the attention on SDPA."""
+
+    class TorchMHA(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W_query = torch.nn.Linear(c, c, bias=False)
+            self.W_key = torch.nn.Linear(c, c, bias=False)
+            self.W_value = torch.nn.Linear(c, c, bias=False)
+            self.out_proj = torch.nn.Linear(c, c)
+
+        def forward(self, x):
+            def split(y):
+                return y.view(b, t, h, c // h).transpose(1, 2)
+
+            ctx = torch.nn.functional.scaled_dot_product_attention(
+                split(self.W_query(x)), split(self.W_key(x)), split(self.W_value(x)), is_causal=True
+            )
+            return self.out_proj(ctx.transpose(1, 2).reshape(b, t, c))
+
+    torch.manual_seed(0)
+    model, x = TorchMHA(), torch.randn(b, t, c)
+
+    def run():
+        if backward:
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+        else:
+            with torch.no_grad():
+                model(x)
+
+    run()
+    return Candidate("torch SDPA MHA", run)
+
+
+def bench_module(*, b, t, c, h, rounds, log):
+    results = {}
+    for mode in ("fwd", "fwd+bwd"):
+        cands = module_candidates(b, t, c, h, backward=mode == "fwd+bwd")
+        interleave(cands, rounds)
+        results[mode] = cands
+        log(f"module {mode}: " + ", ".join(f"{x.name} {fmt_ms(x.median_s)} ms" for x in cands))
+    return results
+
+
+# ----------------------------------------------------------------------------------------
+# Dropout
+# ----------------------------------------------------------------------------------------
+
+
+def bench_dropout_masks(shape, *, rate, rounds, log):
+    """Cost of a keep-mask applied to weights: each jax.random impl vs jattn's Philox counters."""
+    weights = jnp.ones(shape, jnp.float32)
+    keep = 1.0 - rate
+    cands = []
+    for impl in ("threefry2x32", "rbg", "unsafe_rbg", "philox4x32"):
+        key = jax.random.key(0, impl=impl)
+        fn = lambda key, w: jnp.where(jax.random.bernoulli(key, keep, w.shape), w / keep, 0.0)  # noqa: E731
+        cands.append(jax_candidate(f"jax.random.bernoulli ({impl})", fn, key, weights))
+    jattn_fn = lambda key, w: jnp.where(_prng.keep_mask(key, keep, w.shape), w / keep, 0.0)  # noqa: E731
+    cands.append(
+        jax_candidate("jattn Philox-4x32-10 counters", jattn_fn, jax.random.key(0), weights)
+    )
+    cands.append(jax_candidate("no dropout (w / keep only)", lambda key, w: w / keep, 0, weights))
+    interleave(cands, rounds)
+    log("dropout masks: " + ", ".join(f"{x.name} {fmt_ms(x.median_s)} ms" for x in cands))
+    return cands
+
+
+def train_step_candidates(*, b, t, c, h, rate) -> list[Candidate]:
+    """SGD steps (loss, grads, update) of jattn.linen MHA with and without dropout."""
+    x = jax.random.normal(jax.random.key(0), (b, t, c), jnp.float32)
+    cands = []
+    for name, r in (("no dropout", 0.0), (f"dropout {rate}", rate)):
+        module = jattn.linen.MultiHeadAttention(c, t, r, h)
+        params = module.init(jax.random.key(1), x, deterministic=True)
+
+        def step(params, x, key, module=module):
+            def loss(p):
+                y = module.apply(p, x, deterministic=False, rngs={"dropout": key})
+                return jnp.mean(y**2)
+
+            grads = jax.grad(loss)(params)
+            return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+        cands.append(jax_candidate(f"MHA step, {name}", step, params, x, jax.random.key(2)))
+    return cands
+
+
+def core_dropout_candidates(*, t, heads, head_dim, rate) -> list[Candidate]:
+    """Core blockwise forward+backward with and without dropout."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (1, t, heads, head_dim)) for key in keys)
+    cands = []
+    for name, r in (("no dropout", 0.0), (f"dropout {rate}", rate)):
+
+        def loss(q, k, v, key, r=r):
+            out = jattn.dot_product_attention(
+                q, k, v, is_causal=True, dropout_rate=r, dropout_rng=key
+            )
+            return out.sum()
+
+        fn = jax.grad(loss, argnums=(0, 1, 2))
+        cands.append(jax_candidate(f"core fwd+bwd, {name}", fn, q, k, v, jax.random.key(4)))
+    return cands
+
+
+# ----------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------
+
+
+def core_report(results, memory, lengths) -> list[str]:
+    out = []
+    for mode in ("fwd", "fwd+bwd"):
+        names = list(core_functions()) + (["torch sdpa"] if torch is not None else [])
+        header = ["T"] + [f"{n} ms" for n in names]
+        header += [f"blockwise / {n}" for n in names if n != BLOCKWISE]
+        rows = []
+        for t in lengths:
+            by = {c.name: c for c in results[(mode, t)]}
+            ours = by[BLOCKWISE]
+            row = [str(t)] + [fmt_ms(by[n].median_s) if n in by else "—" for n in names]
+            row += [
+                fmt_ratio(paired_ratio(ours, by[n])) if n in by else "—"
+                for n in names
+                if n != BLOCKWISE
+            ]
+            rows.append(row)
+        out += [f"### Core {mode}: time (median ms) and ratio", "", table(header, rows), ""]
+        jax_names = list(core_functions())
+        header = ["T"] + [f"{n} MB" for n in jax_names] + ["blockwise / jax.nn"]
+        rows = []
+        for t in lengths:
+            mem = [memory.get((mode, t, n)) for n in jax_names]
+            ref = memory.get((mode, t, "jax.nn (xla)"))
+            ours = memory.get((mode, t, BLOCKWISE))
+            ratio = ours / ref if ours is not None and ref else math.nan
+            rows.append([str(t)] + [fmt_mb(m) for m in mem] + [f"{100 * ratio:.1f}%"])
+        out += [f"### Core {mode}: compiled temporary memory", "", table(header, rows), ""]
+        header = ["T"] + [f"{n} compile s" for n in jax_names]
+        rows = []
+        for t in lengths:
+            by = {c.name: c for c in results[(mode, t)]}
+            rows.append(
+                [str(t)]
+                + [
+                    f"{by[n].compile_s:.2f}" if n in by and by[n].compile_s else "—"
+                    for n in jax_names
+                ]
+            )
+        out += [
+            f"### Core {mode}: compile time (lower + compile, seconds)",
+            "",
+            table(header, rows),
+            "",
+        ]
+    return out
+
+
+def module_report(results) -> list[str]:
+    out = []
+    for mode in ("fwd", "fwd+bwd"):
+        cands = results[mode]
+        ours = cands[0]
+        header = ["implementation", "median ms", "jattn.linen MHA / this", "compile s", "temp MB"]
+        rows = [
+            [
+                c.name,
+                fmt_ms(c.median_s),
+                fmt_ratio(paired_ratio(ours, c)),
+                "—" if c.compile_s is None else f"{c.compile_s:.2f}",
+                fmt_mb(c.temp_bytes),
+            ]
+            for c in cands
+        ]
+        out += [f"### Module {mode}", "", table(header, rows), ""]
+    return out
+
+
+def plot(results, memory, lengths, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    names = list(core_functions()) + (["torch sdpa"] if torch is not None else [])
+    for ax, mode in zip(axes[:2], ("fwd", "fwd+bwd"), strict=True):
+        for name in names:
+            pts = [
+                (t, c.median_s * 1e3)
+                for t in lengths
+                for c in results[(mode, t)]
+                if c.name == name and c.times
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms (median)")
+        ax.set_title(f"causal attention {mode}, B=1 H=8 D=64")
+        ax.grid(True, which="both", alpha=0.3)
+    for name in core_functions():
+        pts = [
+            (t, memory[("fwd+bwd", t, name)] / 2**20)
+            for t in lengths
+            if memory.get(("fwd+bwd", t, name))
+        ]
+        if pts:
+            axes[2].plot(*zip(*pts, strict=True), marker="o", label=name)
+    axes[2].set(xscale="log", yscale="log", xlabel="T", ylabel="MB")
+    axes[2].set_title("fwd+bwd compiled temporary memory")
+    axes[2].grid(True, which="both", alpha=0.3)
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment() -> str:
+    torch_v = torch.__version__ if torch is not None else "not installed"
+    return (
+        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPU cores, backend {jax.default_backend()}; jax {jax.__version__}, "
+        f"flax {flax.__version__}, torch {torch_v}, python {platform.python_version()}"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke test")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
+    p.add_argument("--lengths", default=None, help="core sequence lengths, comma-separated")
+    p.add_argument(
+        "--dense-max-len",
+        type=int,
+        default=4096,
+        help="time the dense peers up to this T (memory is still compiled beyond)",
+    )
+    p.add_argument("--long-len", type=int, default=None, help="blockwise-only long run T")
+    p.add_argument("--skip-module", action="store_true")
+    p.add_argument("--skip-dropout", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "results.md"))
+    p.add_argument("--png", default=None, help="plot path (default: --out with .png)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    quick = args.quick
+    rounds = args.rounds or (2 if quick else 5)
+    lengths = (
+        [int(x) for x in args.lengths.split(",")]
+        if args.lengths
+        else ([64, 128] if quick else [256, 512, 1024, 2048, 4096, 8192])
+    )
+    long_len = args.long_len or (256 if quick else 32768)
+    core_dims = dict(batch=1, heads=2 if quick else 8, head_dim=16 if quick else 64)
+    mod = dict(b=1, t=64, c=32, h=2) if quick else dict(b=4, t=1024, c=768, h=12)
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    if torch is not None:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    command = "python benchmarks/bench_attention.py" + (
+        " " + " ".join(argv if argv is not None else sys.argv[1:])
+        if (argv if argv is not None else sys.argv[1:])
+        else ""
+    )
+    lines = [
+        "# Attention benchmark",
+        "",
+        f"Command: `{command}`  ",
+        f"Environment: {environment()}  ",
+        f"Rounds: {rounds} interleaved (median times; ratios are medians of per-round ratios). "
+        "All causal, float32. Compile time is excluded from run times and listed apart; "
+        "memory is the compiled temporary buffer size (`memory_analysis().temp_size_in_bytes`).",
+        "",
+    ]
+
+    results, memory = bench_core(
+        lengths, rounds=rounds, dense_max_len=args.dense_max_len, log=log, **core_dims
+    )
+    lines += ["## Core: B=1, H=%(heads)d, D=%(head_dim)d" % core_dims, ""]
+    lines += core_report(results, memory, lengths)
+    big = [t for t in lengths if (("fwd+bwd", t, BLOCKWISE) in memory)]
+    if len(big) >= 2:
+        a, b = big[-2], big[-1]
+        ratio = memory[("fwd+bwd", b, BLOCKWISE)] / memory[("fwd+bwd", a, BLOCKWISE)]
+        lines += [f"Blockwise fwd+bwd memory({b}) / memory({a}) = {ratio:.2f}.", ""]
+    long = bench_long(long_len, log=log, **core_dims)
+    lines += [
+        f"Long sequence: blockwise forward+backward at T={long_len} ran in "
+        f"{fmt_ms(long.median_s)} ms (one run; compile {long.compile_s:.1f} s), "
+        f"temporary memory {fmt_mb(long.temp_bytes)} MB.",
+        "",
+    ]
+
+    if not args.skip_module:
+        lines += [
+            "## Module: B=%(b)d, T=%(t)d, C=%(c)d, H=%(h)d (projections + causal attention)" % mod,
+            "",
+        ]
+        lines += module_report(bench_module(rounds=rounds, log=log, **mod))
+
+    if not args.skip_dropout:
+        shape = (mod["b"], mod["h"], mod["t"], mod["t"])
+        masks = bench_dropout_masks(shape, rate=0.1, rounds=rounds, log=log)
+        n = math.prod(shape)
+        base = masks[-1]
+        rows = [
+            [
+                c.name,
+                fmt_ms(c.median_s),
+                f"{c.median_s / n * 1e9:.2f}",
+                fmt_ratio(paired_ratio(c, base)),
+            ]
+            for c in masks
+        ]
+        lines += [
+            f"## Dropout masks: keep-mask applied to weights {list(shape)} (rate 0.1)",
+            "",
+            table(["generator", "median ms", "ns / element", "vs no dropout"], rows),
+            "",
+        ]
+        steps = train_step_candidates(rate=0.1, **mod)
+        core_steps = core_dropout_candidates(
+            t=mod["t"], heads=core_dims["heads"], head_dim=core_dims["head_dim"], rate=0.1
+        )
+        interleave(steps + core_steps, rounds)
+        rows = []
+        for pair in (steps, core_steps):
+            off, on = pair
+            rows.append(
+                [
+                    on.name,
+                    fmt_ms(off.median_s),
+                    fmt_ms(on.median_s),
+                    fmt_ratio(paired_ratio(on, off)),
+                ]
+            )
+        lines += [
+            "## Training step with dropout 0.1 vs without (T=%d)" % mod["t"],
+            "",
+            table(["step", "no dropout ms", "dropout ms", "ratio"], rows),
+            "",
+        ]
+        log("train steps: " + ", ".join(f"{r[0]} {r[3]}" for r in rows))
+
+    plot(results, memory, lengths, png)
+    lines += [f"![core timings and memory]({os.path.basename(png)})", ""]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    log(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
