@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train_toy.py",
         description=__doc__.split("\n\n")[0],
         formatter_class=_Formatter,
+        epilog="Writes to --out: config.json (the settings), metrics.jsonl (per-step loss, "
+        "held-out loss), summary.json (the final table), loss.png, attention.png and "
+        "checkpoints/<run>/ (orbax). Exit status: 0 done, 2 bad flags or text file, "
+        "1 other setup errors (platform not available, output folder in use).",
     )
     g = p.add_argument_group("data")
     g.add_argument("--text", metavar="PATH", help="train character-level on this UTF-8 text "
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--runs", metavar="NAMES", default="causal,leaky",
                    help="comma-separated runs to train: causal and/or leaky (no causal mask)")  # fmt: skip
     g.add_argument(
-        "--steps", type=_int_at_least(1), metavar="N", default=300, help="optimizer steps per run"
+        "--steps", type=_int_at_least(1), metavar="N", default=400, help="optimizer steps per run"
     )
     g.add_argument(
         "--lr", type=_positive_float, metavar="X", default=3e-3, help="peak AdamW learning rate"
@@ -128,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder (default: runs/<date-time>)")  # fmt: skip
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoints")  # fmt: skip
-    g.add_argument("--checkpoint-every", type=_int_at_least(1), metavar="N", default=500,
+    g.add_argument("--checkpoint-every", type=_int_at_least(1), metavar="N", default=200,
                    help="save a checkpoint every N steps (and at the end)")  # fmt: skip
     g.add_argument("--eval-every", type=_int_at_least(1), metavar="N", default=25,
                    help="held-out loss every N steps, for the loss curves")  # fmt: skip

@@ -4,13 +4,29 @@
 its checkpoints if asked), measures the four numbers of the demo, and writes
 ``config.json``, ``metrics.jsonl``, ``summary.json``, ``loss.png`` and ``attention.png``
 under the output folder.
+
+``summary.json``::
+
+    {"task": "copy" | "text", "entropy_floor": float | null (nats per predicted token),
+     "platform": "cpu" | "gpu" | "tpu" ..., "devices": int,
+     "runs": {"causal": RUN, "leaky": RUN},
+     "task_config": {...}, "model": {...}, "train": {...},
+     "sample": {"prompt", "reference", "causal", "leaky"}}   # one held-out generation
+
+    RUN = {"train_loss": float,  # last 10% of steps (<= 50), dropout on, as in the curves
+           "eval_loss": float,   # final model, dropout off, on held-out windows
+           "future_leak": float, # max logit change at positions < j when token j changes
+           "generation_accuracy": float,  # greedy continuation of held-out prompts
+           "steps": int,         # updates done
+           "seconds": float,     # training wall time, every session, compilation included
+           "tokens_per_second": float,    # predicted tokens per second after the first step
+           "first_step_seconds": float}   # the first update: mostly compilation
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -38,16 +54,6 @@ __all__ = [
 
 RUNS = {"causal": True, "leaky": False}
 """Run name -> ``causal`` flag of the model; nothing else differs between runs."""
-
-SUMMARY_KEYS = (
-    "train_loss",
-    "eval_loss",
-    "future_leak",
-    "generation_accuracy",
-    "steps",
-    "seconds",
-    "tokens_per_second",
-)
 
 
 class OutputFolderError(ValueError):
@@ -77,11 +83,19 @@ class MetricsLog:
             f.writelines(json.dumps({"run": run, **r}) + "\n" for r in records)
 
 
-def _train_windows(task, steps: int, num: int) -> jax.Array:
-    """The last ``num`` training windows the run saw (``[num, T+1]``)."""
-    first = max(0, steps - math.ceil(num / task.batch_size))
-    windows = jnp.concatenate([task.train_batch(s) for s in range(first, steps)])
-    return windows[-num:]
+def recent_train_loss(records: Sequence[dict], run: str, steps: int) -> float:
+    """Mean training loss of ``run``'s last ``max(1, min(50, steps // 10))`` steps.
+
+    Each step's loss is taken on a batch the model has not been updated on yet (the
+    data stream never repeats), with dropout on, as the curves show it.
+    """
+    window = max(1, min(50, steps // 10))
+    losses = [
+        r["loss"] for r in records if r["run"] == run and "loss" in r and r["step"] > steps - window
+    ]
+    if not losses:
+        raise ValueError(f"metrics.jsonl has no training losses of run {run!r}.")
+    return float(np.mean(losses))
 
 
 def future_leak(model: TinyGPT, variables, tokens_BxT, *, vocab_size: int, key) -> float:
@@ -130,7 +144,7 @@ def future_leak(model: TinyGPT, variables, tokens_BxT, *, vocab_size: int, key) 
     )
 
 
-def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int, steps: int) -> dict:
+def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int) -> dict:
     """The demo's measurements of a trained model (dropout off everywhere).
 
     Args:
@@ -139,17 +153,14 @@ def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int, steps:
       task: the data task.
       eval_windows: held-out windows ``[N, T+1]``.
       seed: the run's seed (for the perturbation probe's key).
-      steps: updates done (picks the training windows for ``train_loss``).
 
     Returns:
-      ``train_loss`` (the last ``N`` training windows), ``eval_loss`` (held-out),
+      ``eval_loss`` (held-out),
       ``future_leak`` (largest change of the logits at positions ``< j`` when token ``j``
       of a held-out window changes; exactly 0 for a causal model) and
       ``generation_accuracy`` (greedy generation after the prompt), plus ``generated``:
       the continuations ``[N, M]``.
     """
-    num = eval_windows.shape[0]
-    train_loss = mean_loss(model, variables, _train_windows(task, steps, num))
     eval_loss = mean_loss(model, variables, eval_windows)
     leak = future_leak(
         model,
@@ -160,7 +171,6 @@ def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int, steps:
     )
     accuracy, generated = generation_accuracy(model, variables, eval_windows, task.prompt_len)
     return {
-        "train_loss": float(train_loss),
         "eval_loss": float(eval_loss),
         "future_leak": float(leak),
         "generation_accuracy": accuracy,
@@ -282,7 +292,7 @@ def run_experiment(
             seconds_before = saved["seconds"]
             echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
         log.truncate(name, int(state.step))
-        state, seconds = _train_one(
+        state, seconds, timing = _train_one(
             name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
             seconds_before=seconds_before, tokens_per_step=tokens_per_step, until=until,
             progress=progress,
@@ -293,15 +303,22 @@ def run_experiment(
             echo(f"{name}: stopped at step {steps} of {train_config.steps}; resume to finish")
             continue
         variables = {"params": state.params}
-        measured = evaluate(
-            model, variables, task, eval_windows, seed=train_config.seed, steps=steps
-        )
+        measured = evaluate(model, variables, task, eval_windows, seed=train_config.seed)
         samples[name] = measured.pop("generated")[0]
+        if timing["steps"] > 1:  # steady state: without the first step (compilation)
+            rate_steps, rate_seconds = (
+                timing["steps"] - 1,
+                timing["seconds"] - timing["first_step_seconds"],
+            )
+        else:
+            rate_steps, rate_seconds = steps, seconds
         results[name] = {
+            "train_loss": recent_train_loss(log.read(), name, steps),
             **measured,
             "steps": steps,
             "seconds": seconds,
-            "tokens_per_second": steps * tokens_per_step / seconds,
+            "tokens_per_second": rate_steps * tokens_per_step / rate_seconds,
+            "first_step_seconds": timing["first_step_seconds"],
         }
         attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
     if len(results) < len(runs):
@@ -338,8 +355,8 @@ def _train_one(
     """Trains one run from ``state`` with a progress bar, logging and checkpoints.
 
     Returns:
-      ``(state, seconds)``: the final state and the run's training time, earlier
-      sessions included.
+      ``(state, seconds, timing)``: the final state, the run's training time with earlier
+      sessions included, and this session's timing from :func:`jattn.toy.train.train`.
     """
     from tqdm.auto import tqdm
 
@@ -363,9 +380,9 @@ def _train_one(
     def on_checkpoint(state):
         ckpt.save(state, {"seconds": seconds_before + time.perf_counter() - t0})
 
-    state, seconds = train(
+    state, timing = train(
         model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
         on_checkpoint=on_checkpoint,
     )  # fmt: skip
     bar.close()
-    return state, seconds_before + seconds
+    return state, seconds_before + timing["seconds"], timing
