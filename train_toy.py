@@ -195,6 +195,11 @@ def _select_platform(jax, platform: str | None) -> list:
     _fail(f"--platform {platform}: no usable {platform} backend ({errors[0]})")
 
 
+def _loss(value: float) -> str:
+    """4 decimals, or 2 significant digits for losses far below 1 (the leaky run's)."""
+    return f"{value:.4f}" if value >= 0.01 else f"{value:.1e}"
+
+
 def _table(summary: dict) -> str:
     floor = summary["entropy_floor"]
     cols = ["run", "train_loss", "eval_loss", "floor", "future_leak", "gen_acc", "steps",
@@ -202,10 +207,10 @@ def _table(summary: dict) -> str:
     rows = [
         [
             name,
-            f"{r['train_loss']:.4f}",
-            f"{r['eval_loss']:.4f}",
-            "-" if floor is None else f"{floor:.4f}",
-            f"{r['future_leak']:.3g}",
+            _loss(r["train_loss"]),
+            _loss(r["eval_loss"]),
+            "-" if floor is None else _loss(floor),
+            "0.0" if r["future_leak"] == 0 else f"{r['future_leak']:.3g}",
             f"{r['generation_accuracy']:.3f}",
             str(r["steps"]),
             f"{r['seconds']:.1f}",

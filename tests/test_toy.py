@@ -89,11 +89,11 @@ def cli_run(tmp_path_factory):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert cli.main([*TINY_FLAGS, "--out", str(out)]) == 0
-    return out, stdout.getvalue()
+    return out, stdout.getvalue(), cli
 
 
 def test_cli_run_outputs(cli_run):
-    out, stdout = cli_run
+    out, stdout, cli = cli_run
     summary = json.loads((out / "summary.json").read_text())
     assert isinstance(summary["task"], str) and summary["task"] == "copy"
     assert summary["entropy_floor"] == pytest.approx(3 * math.log(4) / 8, abs=1e-15)
@@ -133,13 +133,13 @@ def test_cli_run_outputs(cli_run):
     # The printed table has a row per run with the summary's numbers.
     rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.strip()}
     for name, run in summary["runs"].items():
-        assert rows[name][1] == f"{run['train_loss']:.4f}"
+        assert rows[name][1] == cli._loss(run["train_loss"])
         assert rows[name][5] == f"{run['generation_accuracy']:.3f}"
 
 
 def test_resume_equals_uninterrupted(cli_run, tmp_path):
     """Stop at step 25 (not a checkpoint multiple), resume: the same params, losses, numbers."""
-    full_out, _ = cli_run
+    full_out, _, _ = cli_run
     task, model_cfg, train_cfg = _tiny_configs()
     out = tmp_path / "split"
     kwargs = dict(out_dir=out, progress=False, echo=lambda _: None)

@@ -340,10 +340,8 @@ def run_experiment(
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    floor_text = "" if task.entropy_floor is None else f", floor {task.entropy_floor:.3f} nats"
-    plot_losses(
-        log.read(), task.entropy_floor, out / "loss.png", title=f"{task.name} task{floor_text}"
-    )
+    title = f"{task.name} task: one model, data and seed; {' vs '.join(runs)} attention"
+    plot_losses(log.read(), task.entropy_floor, out / "loss.png", title=title)
     plot_attention(attention, _labels(task, eval_windows[0, :-1]), out / "attention.png")
     return summary
 

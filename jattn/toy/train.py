@@ -1,7 +1,8 @@
 """Training pieces of the toy demo: optimizer, state, the jitted step, losses, checkpoints.
 
-Kept apart from the model and the data so each can change alone (a sharded step, say,
-reuses :func:`loss_and_grads`' caller unchanged).
+Kept apart from the model (:mod:`jattn.toy.model`) and the data (:mod:`jattn.toy.data`)
+so each can change alone: a sharded or multi-device step only replaces
+:func:`make_train_step`, and :func:`train` feeds it whatever batches the task makes.
 
 Reproducibility: everything random comes from the run's seed (see
 :data:`jattn.toy.data.STREAMS`). The batch of step ``s`` is ``task.train_batch(s)`` and
@@ -32,6 +33,7 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "init_state",
+    "lr_schedule",
     "make_optimizer",
     "make_train_step",
     "mean_loss",
@@ -108,19 +110,23 @@ class TrainState(struct.PyTreeNode):
     dropout_key: jax.Array
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Gradient clipping, then AdamW with linear warmup and cosine decay."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to ``cfg.learning_rate``, then cosine decay to the end fraction."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.steps,
         end_value=cfg.learning_rate * cfg.end_lr_fraction,
     )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Gradient clipping, then AdamW on :func:`lr_schedule`."""
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(
-            schedule,
+            lr_schedule(cfg),
             b1=0.9,
             b2=0.95,  # GPT-style: adapts faster to the loss drops of small models
             weight_decay=cfg.weight_decay,
@@ -128,13 +134,6 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
             mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
         ),
     )
-
-
-def learning_rate(cfg: TrainConfig, step) -> jax.Array:
-    """The learning rate used by the update of step ``step`` (for logging)."""
-    return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.learning_rate * cfg.end_lr_fraction
-    )(step)
 
 
 def init_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
@@ -174,10 +173,10 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
 
     The state is donated (its buffers are reused for the new state), so the caller must
     not touch the old state after the call. Cached per ``(model, cfg)``, so a resumed
-    session in the same process reuses the compiled step. ``metrics`` holds the step's training loss
-    (dropout on), the gradient norm before clipping and the learning rate.
+    session in the same process reuses the compiled step. ``metrics`` holds the step's
+    training loss (dropout on), the gradient norm before clipping and the learning rate.
     """
-    tx = make_optimizer(cfg)
+    tx, schedule = make_optimizer(cfg), lr_schedule(cfg)
 
     def step_fn(state: TrainState, windows_BxT1):
         inputs_BxT, targets_BxT = windows_BxT1[:, :-1], windows_BxT1[:, 1:]
@@ -199,14 +198,14 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
         metrics = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
-            "lr": learning_rate(cfg, state.step),
+            "lr": schedule(state.step),
         }
         return new_state, metrics
 
     return jax.jit(step_fn, donate_argnums=0)
 
 
-@jax.jit(static_argnames="model")
+@functools.partial(jax.jit, static_argnames="model")
 def mean_loss(model: nn.Module, variables, windows_BxT1) -> jax.Array:
     """Mean next-token loss of ``windows [B, T+1]`` with dropout off."""
     logits = model.apply(variables, windows_BxT1[:, :-1], deterministic=True)
