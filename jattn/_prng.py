@@ -61,6 +61,20 @@ def key_words(rng) -> jax.Array:
     return jax.random.bits(rng, (4,), jnp.uint32)
 
 
+def _mulhi(a, b) -> jax.Array:
+    """High 32 bits of the 64-bit product of uint32 ``a`` and ``b``, from 16-bit limbs.
+
+    Equal to ``lax.mulhi``, which XLA cannot partition under Shardy (jax's default
+    partitioner): a data-parallel jitted step with dropout failed to compile with it.
+    """
+    m = np.uint32(0xFFFF)
+    a_lo, a_hi = a & m, a >> np.uint32(16)
+    b_lo, b_hi = b & m, b >> np.uint32(16)
+    hi_lo, lo_hi = a_hi * b_lo, a_lo * b_hi
+    cross = ((a_lo * b_lo) >> np.uint32(16)) + (hi_lo & m) + lo_hi
+    return a_hi * b_hi + (hi_lo >> np.uint32(16)) + (cross >> np.uint32(16))
+
+
 def row_keys(words: jax.Array, row) -> tuple[jax.Array, jax.Array]:
     """Two 32-bit keys per row: Philox-4x32-10 at counter ``(row, 0, w2, w3)``, key ``(w0, w1)``.
 
@@ -74,8 +88,8 @@ def row_keys(words: jax.Array, row) -> tuple[jax.Array, jax.Array]:
         # The key bumps by a Weyl constant each round: k_r = k + r * W.
         k0 = words[..., 0] + r.astype(jnp.uint32) * _W0
         k1 = words[..., 1] + r.astype(jnp.uint32) * _W1
-        lo0, hi0 = lax.mul(_M0, x0), lax.mulhi(_M0, x0)
-        lo1, hi1 = lax.mul(_M1, x2), lax.mulhi(_M1, x2)
+        lo0, hi0 = lax.mul(_M0, x0), _mulhi(_M0, x0)
+        lo1, hi1 = lax.mul(_M1, x2), _mulhi(_M1, x2)
         return hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
 
     start = (
