@@ -313,3 +313,15 @@ def test_scan_carries_the_cache(rng):
     cache, outs = jax.lax.scan(body, kv.init_cache(B, CAP, K, D), xs)
     np.testing.assert_array_equal(cache.lengths, [5, 5, 5])
     np.testing.assert_allclose(jnp.swapaxes(outs, 0, 1), full_causal(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_long_ragged_prefill_equals_full_causal_attention(rng):
+    """A prompt long enough for dot_product_attention's automatic blockwise path on CPU."""
+    q, k, v = qkv(rng, 140, batch=(2,), heads=2, kv_heads=1, dim=8)
+    cache = kv.init_cache(2, 160, 1, 8)
+    out, cache = jit_step(cache, q, k, v, num_new=jnp.array([140, 130]))
+    ref = full_causal(q, k, v)
+    np.testing.assert_allclose(out[0], ref[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out[1, :130], ref[1, :130], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[1, 130:], 0.0)
+    np.testing.assert_array_equal(cache.lengths, [140, 130])
