@@ -18,9 +18,9 @@ under the output folder.
            "future_leak": float, # max logit change at positions < j when token j changes
            "generation_accuracy": float,  # greedy continuation of held-out prompts
            "steps": int,         # updates done
-           "seconds": float,     # training wall time, every session, compilation included
-           "tokens_per_second": float,    # predicted tokens per second after the first step
-           "first_step_seconds": float}   # the first update: mostly compilation
+           "seconds": float,     # training wall time of every session: compiling and
+                                 # held-out evaluation included, checkpoint writes not
+           "tokens_per_second": float}    # predicted tokens/s, first step (compiling) excluded
 """
 
 from __future__ import annotations
@@ -286,16 +286,14 @@ def run_experiment(
         model = TinyGPT(dataclasses.replace(model_config, causal=RUNS[name]))
         ckpt = Checkpointer(out / "checkpoints" / name)
         state = init_state(model.config, train_config)
-        seconds_before = 0.0
+        before = {"seconds": 0.0, "steady_seconds": 0.0, "steady_steps": 0}
         if resume and ckpt.latest_step() is not None:
-            state, saved = ckpt.restore(state)
-            seconds_before = saved["seconds"]
+            state, before = ckpt.restore(state)
             echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
         log.truncate(name, int(state.step))
-        state, seconds, timing = _train_one(
+        state, clock = _train_one(
             name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
-            seconds_before=seconds_before, tokens_per_step=tokens_per_step, until=until,
-            progress=progress,
+            before=before, tokens_per_step=tokens_per_step, until=until, progress=progress,
         )  # fmt: skip
         ckpt.close()
         steps = int(state.step)
@@ -305,20 +303,15 @@ def run_experiment(
         variables = {"params": state.params}
         measured = evaluate(model, variables, task, eval_windows, seed=train_config.seed)
         samples[name] = measured.pop("generated")[0]
-        if timing["steps"] > 1:  # steady state: without the first step (compilation)
-            rate_steps, rate_seconds = (
-                timing["steps"] - 1,
-                timing["seconds"] - timing["first_step_seconds"],
-            )
-        else:
-            rate_steps, rate_seconds = steps, seconds
+        steady = clock["steady_steps"] > 0
         results[name] = {
             "train_loss": recent_train_loss(log.read(), name, steps),
             **measured,
             "steps": steps,
-            "seconds": seconds,
-            "tokens_per_second": rate_steps * tokens_per_step / rate_seconds,
-            "first_step_seconds": timing["first_step_seconds"],
+            "seconds": clock["seconds"],
+            "tokens_per_second": tokens_per_step
+            * (clock["steady_steps"] if steady else steps)
+            / (clock["steady_seconds"] if steady else clock["seconds"]),
         }
         attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
     if len(results) < len(runs):
@@ -347,21 +340,23 @@ def run_experiment(
 
 
 def _train_one(
-    name, model, task, cfg, state, ckpt, log, *, eval_windows, seconds_before, tokens_per_step,
-    until, progress,
+    name, model, task, cfg, state, ckpt, log, *, eval_windows, before, tokens_per_step, until,
+    progress,
 ) -> tuple:  # fmt: skip
     """Trains one run from ``state`` with a progress bar, logging and checkpoints.
 
+    Args:
+      before: the clock of earlier sessions (from the checkpoint): ``seconds``, and
+        ``steady_seconds`` / ``steady_steps`` without each session's first step.
+
     Returns:
-      ``(state, seconds, timing)``: the final state, the run's training time with earlier
-      sessions included, and this session's timing from :func:`jattn.toy.train.train`.
+      ``(state, clock)``: the final state and the clock of all sessions so far.
     """
     from tqdm.auto import tqdm
 
     start = int(state.step)
     bar = tqdm(total=cfg.steps, initial=start, desc=f"{name:>6}", disable=not progress, leave=True)
-    t0 = time.perf_counter()
-    last = [t0, start]
+    last = [time.perf_counter(), start]
 
     def on_log(records):
         log.append(name, records)
@@ -375,12 +370,22 @@ def _train_one(
         loss = mean_loss(model, {"params": state.params}, eval_windows)
         log.append(name, [{"step": step, "eval_loss": float(loss)}])
 
-    def on_checkpoint(state):
-        ckpt.save(state, {"seconds": seconds_before + time.perf_counter() - t0})
+    def clock(timing):
+        # Tokens/s leave out each session's first step: it compiles the step function.
+        steady = timing["steps"] > 1
+        return {
+            "seconds": before["seconds"] + timing["seconds"],
+            "steady_seconds": before["steady_seconds"]
+            + (timing["seconds"] - timing["first_step_seconds"] if steady else 0.0),
+            "steady_steps": before["steady_steps"] + (timing["steps"] - 1 if steady else 0),
+        }
+
+    def on_checkpoint(state, timing):
+        ckpt.save(state, clock(timing))
 
     state, timing = train(
         model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
         on_checkpoint=on_checkpoint,
     )  # fmt: skip
     bar.close()
-    return state, seconds_before + timing["seconds"], timing
+    return state, clock(timing)

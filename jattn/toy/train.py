@@ -274,7 +274,7 @@ def train(
     until: int | None = None,
     on_log: Callable[[list[dict]], None] | None = None,
     on_eval: Callable[[int, TrainState], None] | None = None,
-    on_checkpoint: Callable[[TrainState], None] | None = None,
+    on_checkpoint: Callable[[TrainState, dict], None] | None = None,
 ) -> tuple[TrainState, dict]:
     """Runs the updates ``state.step .. until - 1`` (default: to ``cfg.steps``).
 
@@ -289,12 +289,12 @@ def train(
         ``cfg.log_every`` steps (and at the end).
       on_eval: called as ``on_eval(step, state)`` every ``cfg.eval_every`` steps and at
         ``cfg.steps``.
-      on_checkpoint: called with the state every ``cfg.checkpoint_every`` steps and at
-        ``until``.
+      on_checkpoint: called as ``on_checkpoint(state, timing)`` every
+        ``cfg.checkpoint_every`` steps and at ``until``, with the timing so far.
 
     Returns:
       ``(state, timing)``: the final state, and ``timing`` with ``seconds`` (wall time of
-      the loop, callbacks included), ``first_step_seconds`` (the first update, which
+      the loop, evaluations included, checkpoint writes not), ``first_step_seconds`` (the first update, which
       includes compiling the step) and ``steps`` (updates done by this call).
     """
     until = cfg.steps if until is None else until
@@ -303,6 +303,15 @@ def train(
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
     first_step_seconds = 0.0
+    saving = 0.0  # seconds spent writing checkpoints: not training time
+
+    def timing(done: int) -> dict:
+        return {
+            "seconds": time.perf_counter() - t0 - saving,
+            "first_step_seconds": first_step_seconds,
+            "steps": done - start,
+        }
+
     for s in range(start, until):
         state, metrics = train_step(state, task.train_batch(s))
         done = s + 1
@@ -323,11 +332,8 @@ def train(
         if on_eval is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
             on_eval(done, state)
         if on_checkpoint is not None and (done % cfg.checkpoint_every == 0 or done == until):
-            on_checkpoint(state)
+            t_save = time.perf_counter()
+            on_checkpoint(state, timing(done))
+            saving += time.perf_counter() - t_save
     jax.block_until_ready(state)
-    timing = {
-        "seconds": time.perf_counter() - t0,
-        "first_step_seconds": first_step_seconds,
-        "steps": until - start if until > start else 0,
-    }
-    return state, timing
+    return state, timing(max(start, until))
