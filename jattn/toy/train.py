@@ -143,8 +143,9 @@ def init_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
     fresh and a resumed state hit the same compiled train step.
     """
     keys = stream_key(cfg.seed, "init"), stream_key(cfg.seed, "dropout")
-    # The mask has no parameters: causal and leaky runs share one compiled initializer.
-    shared_cfg = dataclasses.replace(model_cfg, causal=True)
+    # Neither the mask nor the dropout rate has parameters: runs that differ only in
+    # those share one compiled initializer.
+    shared_cfg = dataclasses.replace(model_cfg, causal=True, dropout=0.0)
     return jax.device_put(_init_state(shared_cfg, cfg, *keys), jax.devices()[0])
 
 
