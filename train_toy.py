@@ -183,7 +183,8 @@ def _select_platform(jax, platform: str | None) -> list:
     """Restricts JAX to ``platform`` (before any computation) and returns its devices."""
     if platform is None:
         return jax.devices()
-    # "gpu" is CUDA or ROCm; JAX's own "gpu" alias insists on both being installed.
+    # "gpu" means CUDA or ROCm. JAX's own "gpu" alias in jax_platforms expands to every GPU
+    # platform and fails on the first one not installed, so try them one at a time.
     candidates = ("cuda", "rocm") if platform == "gpu" else (platform,)
     errors = []
     for name in candidates:
