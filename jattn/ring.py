@@ -171,6 +171,11 @@ def _ring_attention_bwd(ring, residuals, d_out):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
+def _tile_length(length: int, requested: int) -> int:
+    # A block shorter than a tile is one tile, rounded up to 8 rows (sublane multiple).
+    return min(requested, -(-length // 8) * 8)
+
+
 def _to_tiles(x: Array, groups: int, padded: int) -> Array:
     """``[batch..., T, heads, D]`` -> blockwise's ``[N, K, G, T_pad, D]`` (``G=1`` for keys)."""
     *batch, t, heads, d = x.shape
@@ -239,8 +244,8 @@ def ring_attention_shard(
     ring_size = lax.axis_size(axis_name)
     configs = {}
     for name, causal in (("diagonal", is_causal), ("off_diagonal", False)):
-        bq = blockwise._pick_block(q_len, block_q or blockwise.DEFAULT_BLOCK_Q)
-        bk = blockwise._pick_block(kv_len, block_k or blockwise.DEFAULT_BLOCK_K)
+        bq = _tile_length(q_len, block_q or blockwise.DEFAULT_BLOCK_Q)
+        bk = _tile_length(kv_len, block_k or blockwise.DEFAULT_BLOCK_K)
         configs[name] = blockwise._Config(
             q_len=q_len,
             kv_len=kv_len,
