@@ -333,3 +333,28 @@ def test_generation_with_the_nnx_modules():
     # the capacity check sees the KVCache inside the NNX state
     with pytest.raises(ValueError, match="KV cache holds 12 positions per row"):
         gen.generate(decode_fn, params, cache, prompt, lengths, max_new_tokens=10)
+
+
+# ----------------------------------------------------------------------------------------
+# The toy GPT (jattn.toy.TinyGPT): positions continue per row from the cache
+# ----------------------------------------------------------------------------------------
+
+
+def test_tiny_gpt_decoding_equals_its_full_forward_for_ragged_prompts():
+    from jattn.toy import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(vocab_size=11, context_length=16, d_model=32, num_layers=2, dropout=0.0)
+    model, decoder = TinyGPT(cfg), TinyGPT(cfg, decode=True)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    cache = decoder.init(jax.random.key(0), jnp.zeros((3, 12), jnp.int32))["cache"]
+    prompt = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0], [5, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.array([5, 3, 1], jnp.int32)
+    kw = {"max_new_tokens": 7, "key": jax.random.key(1), "temperature": 1.0}
+    cached = gen.generate(gen.LinenDecodeFn(decoder), params, cache, prompt, lengths, **kw)
+    again = gen.generate_recompute(gen.LinenForwardFn(model), params, prompt, lengths, **kw)
+    np.testing.assert_array_equal(cached, again)
+    # and the logits themselves, for the ragged prefill
+    logits, _ = gen.LinenDecodeFn(decoder)(params, prompt, cache, lengths)
+    full = model.apply({"params": params}, prompt)
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(logits[b, :n], full[b, :n], rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ Pieces, each replaceable on its own:
 * :mod:`jattn.toy.model` -- :class:`TinyGPT`, built from :class:`jattn.linen.MultiHeadAttention`.
 * :mod:`jattn.toy.train` -- AdamW with warmup and cosine decay, the jitted donated train
   step, orbax checkpoints.
-* :mod:`jattn.toy.generate` -- greedy generation and its accuracy.
+* :mod:`jattn.toy.generate` -- greedy generation through the KV cache, and its accuracy.
 * :mod:`jattn.toy.plots` -- loss curves and attention heatmaps.
 * :mod:`jattn.toy.experiment` -- :func:`run_experiment`: the causal and leaky runs, measured
   and written to disk.

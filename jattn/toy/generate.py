@@ -1,57 +1,66 @@
-"""Greedy autoregressive generation for the toy model (no KV cache).
+"""Greedy autoregressive generation for the toy model, through the KV cache.
 
-Each new token reruns the model on the whole fixed-size window, the way chapter 4 of the
-book generates; positions not generated yet hold ``pad_id``. A causal model never looks
-at them; a leaky model does, which is exactly why it fails here. This function is the
-one place the demo generates, so a KV-cache version can replace it.
+The prompt goes through the model once (prefill), then each new token costs one cached
+step (:func:`jattn.generate.generate`, :mod:`jattn.kvcache`) instead of a pass over the
+whole window as in chapter 4 of the book; for a causal model both give the same tokens
+(:func:`jattn.generate.generate_recompute` is that reference, and ``tests/test_toy.py``
+checks the argmax rule directly). A leaky model (``causal=False``) learned to read the
+token it must predict from the next position; while generating, that token does not
+exist yet, so it fails, which is what the demo shows.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jattn import generate as gen
+
 __all__ = ["generation_accuracy", "greedy_generate"]
 
 
-@partial(jax.jit, static_argnames=("model", "num_new_tokens", "pad_id"))
-def greedy_generate(
-    model: nn.Module, variables, prompt, *, num_new_tokens: int, pad_id: int = 0
-) -> jax.Array:
+@functools.lru_cache(maxsize=16)
+def _cache_shapes(decoder: nn.Module, batch: int, capacity: int):
+    # Shapes of the 'cache' collection from an abstract init: no forward pass runs.
+    tokens = jax.ShapeDtypeStruct((batch, capacity), jnp.int32)
+    return jax.eval_shape(decoder.init, jax.random.key(0), tokens)["cache"]
+
+
+def greedy_generate(model: nn.Module, variables, prompt, *, num_new_tokens: int) -> jax.Array:
     """Extends ``prompt [B, P]`` by ``num_new_tokens`` tokens, each the argmax of the logits.
 
     Args:
-      model: a module mapping ``tokens [B, T]`` to ``logits [B, T, V]`` that accepts
-        ``deterministic=True`` (dropout off), e.g. :class:`jattn.toy.TinyGPT`.
+      model: a :class:`jattn.toy.TinyGPT` (any Linen language model with a ``decode``
+        attribute and a ``num_new`` call argument, see :class:`jattn.generate.LinenDecodeFn`).
       variables: its variables (``{'params': ...}``).
       prompt: int ``[B, P]``.
       num_new_tokens: how many tokens to append (>= 1); ``P + num_new_tokens - 1`` must not
-        exceed the model's context length (the last new token is never read back).
-      pad_id: token placed in the positions not generated yet.
+        exceed the model's context length (the last new token is never read back), and is
+        the size of the cache.
 
     Returns:
       int ``[B, P + num_new_tokens]``: the prompt followed by the generated tokens.
     """
+    decoder = model.clone(decode=True)
     batch, prompt_len = prompt.shape
-    total = prompt_len + num_new_tokens
-    # [B, total]: the prompt, then placeholders that are overwritten one by one.
-    buffer = jnp.full((batch, total), pad_id, dtype=prompt.dtype).at[:, :prompt_len].set(prompt)
-
-    def write_next(i, buffer):
-        # [B, total - 1, V]: one fixed-shape call per new token, so this compiles once.
-        logits = model.apply(variables, buffer[:, : total - 1], deterministic=True)
-        pos = prompt_len + i
-        next_token = jnp.argmax(logits[:, pos - 1, :], axis=-1).astype(buffer.dtype)  # [B]
-        return buffer.at[:, pos].set(next_token)
-
-    return jax.lax.fori_loop(0, num_new_tokens, write_next, buffer)
+    # An empty cache is all zeros (zero filled lengths), sized to this generation.
+    shapes = _cache_shapes(decoder, batch, prompt_len + num_new_tokens - 1)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    new = gen.generate(
+        gen.LinenDecodeFn(decoder),
+        variables["params"],
+        cache,
+        prompt,
+        max_new_tokens=num_new_tokens,
+    )
+    return jnp.concatenate([prompt, new.astype(prompt.dtype)], axis=1)
 
 
 def generation_accuracy(
-    model: nn.Module, variables, windows, prompt_len: int, *, pad_id: int = 0
+    model: nn.Module, variables, windows, prompt_len: int
 ) -> tuple[float, jax.Array]:
     """How many tokens greedy generation gets right after each window's prompt.
 
@@ -60,15 +69,14 @@ def generation_accuracy(
       windows: int ``[N, P + M]`` held-out windows; the first ``prompt_len`` tokens are
         the prompt and the remaining ``M`` are the reference continuation.
       prompt_len: ``P``.
-      pad_id: as in :func:`greedy_generate`.
 
     Returns:
       ``(accuracy, generated)``: the share of the ``N * M`` continuation tokens generated
       correctly, and the generated continuations ``[N, M]``.
     """
     num_new = windows.shape[1] - prompt_len
-    generated = greedy_generate(
-        model, variables, windows[:, :prompt_len], num_new_tokens=num_new, pad_id=pad_id
-    )[:, prompt_len:]
+    generated = greedy_generate(model, variables, windows[:, :prompt_len], num_new_tokens=num_new)[
+        :, prompt_len:
+    ]
     # [N, M] token-wise agreement with the reference continuation
     return float(jnp.mean(generated == windows[:, prompt_len:])), generated

@@ -62,9 +62,10 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: attention then MLP, each added to the residual."""
 
     config: GPTConfig
+    decode: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD, *, deterministic: bool, sow_attention: bool = False):
+    def __call__(self, x_BxTxD, *, deterministic: bool, sow_attention: bool = False, num_new=None):
         cfg = self.config
         # [B, T, D] -> [B, T, D]; dropout on the attention weights happens inside.
         h_BxTxD = MultiHeadAttention(
@@ -73,11 +74,13 @@ class Block(nn.Module):
             cfg.dropout,
             cfg.num_heads,
             causal=cfg.causal,
+            decode=self.decode,
             name="attn",
         )(
             nn.LayerNorm(name="ln_attn")(x_BxTxD),
             deterministic=deterministic,
             sow_weights=sow_attention,
+            num_new=num_new,
         )
         x_BxTxD = x_BxTxD + nn.Dropout(cfg.dropout)(h_BxTxD, deterministic=deterministic)
         # [B, T, D] -> [B, T, mlp_ratio * D] -> [B, T, D]
@@ -96,12 +99,27 @@ class TinyGPT(nn.Module):
     ``sow_attention=True`` and ``mutable=['intermediates']`` every block's attention
     weights ``[batch..., num_heads, T, T]`` are sown under
     ``intermediates/blocks_{i}/attn/attention_weights``.
+
+    ``decode=True`` generates with KV caches (:mod:`jattn.kvcache`), as
+    :class:`jattn.linen.MultiHeadAttention`: ``init`` with tokens ``[B, capacity]`` creates
+    the ``cache`` collection, then each ``apply(..., mutable=['cache'])`` takes the next
+    chunk (the right-padded prompt with ``num_new`` real tokens per row, then one token).
+    Each row's positions continue from its own cached length.
+    :class:`jattn.generate.LinenDecodeFn` wraps it for :func:`jattn.generate.generate`.
     """
 
     config: GPTConfig
+    decode: bool = False
 
     @nn.compact
-    def __call__(self, tokens_BxT, *, deterministic: bool = True, sow_attention: bool = False):
+    def __call__(
+        self,
+        tokens_BxT,
+        *,
+        deterministic: bool = True,
+        sow_attention: bool = False,
+        num_new=None,
+    ):
         cfg = self.config
         t = tokens_BxT.shape[-1]
         if t > cfg.context_length:
@@ -109,13 +127,20 @@ class TinyGPT(nn.Module):
                 f"TinyGPT got {t} tokens but context_length is {cfg.context_length}; pass at "
                 f"most the last {cfg.context_length} tokens."
             )
+        pos = jnp.arange(t)  # [T]; [B, T] when decoding
+        cache = self.variables.get("cache")
+        if self.decode and cache:  # (init only creates the caches)
+            # Row b's chunk starts where its tokens so far end: the first block's cache length.
+            filled_B = cache["blocks_0"]["attn"]["kv"].lengths
+            # Padding past the position table is clamped; its outputs are never used.
+            pos = jnp.minimum(filled_B[..., None] + pos, cfg.context_length - 1)
         # [B, T, D]: token embedding plus a learned embedding of the position.
         x_BxTxD = nn.Embed(cfg.vocab_size, cfg.d_model, name="tok_emb")(tokens_BxT)
-        x_BxTxD = x_BxTxD + nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(jnp.arange(t))
+        x_BxTxD = x_BxTxD + nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(pos)
         x_BxTxD = nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
         for i in range(cfg.num_layers):
-            x_BxTxD = Block(cfg, name=f"blocks_{i}")(
-                x_BxTxD, deterministic=deterministic, sow_attention=sow_attention
+            x_BxTxD = Block(cfg, decode=self.decode, name=f"blocks_{i}")(
+                x_BxTxD, deterministic=deterministic, sow_attention=sow_attention, num_new=num_new
             )
         # [B, T, D] -> [B, T, V]
         x_BxTxD = nn.LayerNorm(name="ln_final")(x_BxTxD)
