@@ -38,10 +38,13 @@ __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention"]
 
 Array = jax.Array
 
-# Tile sizes picked with benchmarks/bench_attention.py on a 2-core CPU (see results.md):
-# larger tiles waste more work on the causal diagonal, smaller ones run more loop steps.
-DEFAULT_BLOCK_Q = 256
-DEFAULT_BLOCK_K = 256
+# Tile sizes measured on a 2-core CPU (benchmarks/results.md): tiles of 64-256 run within
+# ~15% of each other at T >= 1024 and 512 is slower; a short sequence gets smaller tiles
+# so that a causal mask still skips some of them.
+DEFAULT_BLOCK_Q = 128
+DEFAULT_BLOCK_K = 128
+_SHORT_LEN = 512  # sequences up to this long use _SHORT_BLOCK
+_SHORT_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +79,11 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _pick_block(length: int, default: int) -> int:
-    # A short sequence is one tile (rounded to 8 rows), not a mostly padded default tile.
-    return min(default, _round_up(length, 8))
+def _pick_block(length: int, requested: int | None, default: int) -> int:
+    if requested is None:
+        requested = _SHORT_BLOCK if length <= _SHORT_LEN else default
+    # A sequence shorter than a tile is one tile (rounded up to 8 rows), not a padded one.
+    return min(requested, _round_up(length, 8))
 
 
 # ----------------------------------------------------------------------------------------
@@ -585,8 +590,9 @@ def blockwise_attention(
       dropout_shared: ``(over_batch, over_heads)``: whether one mask is shared across the
         batch dims / heads (``broadcast_dropout``).
       precision: ``jax.lax.Precision`` of the tile products.
-      block_q: query tile length (default :data:`DEFAULT_BLOCK_Q`, capped at q_len).
-      block_k: key tile length (default :data:`DEFAULT_BLOCK_K`, capped at kv_len).
+      block_q: query tile length (default :data:`DEFAULT_BLOCK_Q`, or 64 for sequences
+        of at most 512; capped at q_len rounded up to 8).
+      block_k: key tile length (the same rule with kv_len).
 
     Returns:
       ``[batch..., q_len, H, Dv]`` in the inputs' dtype.
@@ -596,8 +602,8 @@ def blockwise_attention(
     batch = tuple(batch)
     n = math.prod(batch)
     groups = num_heads // k_heads
-    bq = _pick_block(q_len, block_q or DEFAULT_BLOCK_Q)
-    bk = _pick_block(kv_len, block_k or DEFAULT_BLOCK_K)
+    bq = _pick_block(q_len, block_q, DEFAULT_BLOCK_Q)
+    bk = _pick_block(kv_len, block_k, DEFAULT_BLOCK_K)
 
     band_lo = band_hi = None
     if is_causal:
