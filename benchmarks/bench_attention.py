@@ -593,7 +593,7 @@ def main(argv=None) -> int:
     results, memory = bench_core(
         lengths, rounds=rounds, dense_max_len=args.dense_max_len, log=log, **core_dims
     )
-    lines += ["## Core: B=1, H=%(heads)d, D=%(head_dim)d" % core_dims, ""]
+    lines += [f"## Core: B=1, H={core_dims['heads']}, D={core_dims['head_dim']}", ""]
     lines += core_report(results, memory, lengths)
     big = [t for t in lengths if (("fwd+bwd", t, BLOCKWISE) in memory)]
     if len(big) >= 2:
@@ -610,7 +610,8 @@ def main(argv=None) -> int:
 
     if not args.skip_module:
         lines += [
-            "## Module: B=%(b)d, T=%(t)d, C=%(c)d, H=%(h)d (projections + causal attention)" % mod,
+            f"## Module: B={mod['b']}, T={mod['t']}, C={mod['c']}, H={mod['h']} "
+            "(projections + causal attention)",
             "",
         ]
         lines += module_report(bench_module(rounds=rounds, log=log, **mod))
@@ -652,7 +653,7 @@ def main(argv=None) -> int:
                 ]
             )
         lines += [
-            "## Training step with dropout 0.1 vs without (T=%d)" % mod["t"],
+            f"## Training step with dropout 0.1 vs without (T={mod['t']})",
             "",
             table(["step", "no dropout ms", "dropout ms", "ratio"], rows),
             "",
