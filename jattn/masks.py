@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,11 +53,34 @@ def _check_size(value, name: str, *, allow_zero: bool = False) -> int:
     return size
 
 
+def _check_float_dtype(dtype, name: str = "dtype"):
+    """``dtype`` as a numpy dtype, or a clear error: not a dtype, not floating, or float64
+    while ``jax_enable_x64`` is off (JAX would silently compute in float32)."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a floating dtype such as jnp.float32 or jnp.bfloat16, got {dtype!r}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(
+            f"{name}={dtype} needs 64-bit mode, which is off: enable it with "
+            "jax.config.update('jax_enable_x64', True) (or `with jax.enable_x64(True):`), or "
+            "use float32."
+        )
+    return dtype
+
+
 def _positions(q_len: int, kv_len: int | None, offset):
     q_len = _check_size(q_len, "q_len")
     kv_len = q_len if kv_len is None else _check_size(kv_len, "kv_len")
+    offset = jnp.asarray(offset)
+    if not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise TypeError(f"offset must be an int or an int array, got dtype {offset.dtype}.")
     # [q_len, 1] and [1, kv_len]: the query position, shifted by `offset`, against key positions.
-    q_pos = jnp.arange(q_len)[:, None] + jnp.asarray(offset, dtype=jnp.int32)
+    q_pos = jnp.arange(q_len)[:, None] + offset.astype(jnp.int32)
     kv_pos = jnp.arange(kv_len)[None, :]
     return q_pos, kv_pos
 
@@ -256,9 +280,7 @@ def large_negative(dtype=jnp.float32) -> jnp.ndarray:
 
     ``-0.7 * finfo(dtype).max``, capped at float32's range because the softmax runs in float32.
     """
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype, got {dtype}.")
+    dtype = _check_float_dtype(dtype)
     big = min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
     return jnp.asarray(-0.7 * big, dtype=dtype)
 
