@@ -133,10 +133,38 @@ def _check_broadcast(x: Array, target: tuple[int, ...], name: str) -> None:
 def _compute_dtype(dtype, *arrays: Array):
     if dtype is None:
         return jnp.result_type(*arrays)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype, got {dtype}.")
-    return dtype
+    return masks_lib._check_float_dtype(dtype, "dtype")
+
+
+def _check_scale(scale) -> None:
+    if scale is None or isinstance(scale, jax.core.Tracer):
+        return  # the default, or a traced scalar (checked for shape below when it is an array)
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale}.")
+        return
+    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) == 0:
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"scale must be a float, got an array of dtype {scale.dtype}.")
+        return
+    raise TypeError(
+        f"scale must be a number (the logit multiplier, default 1/sqrt(head_dim)) or a scalar "
+        f"array, got {type(scale).__name__} {np.shape(scale) if hasattr(scale, 'shape') else ''}."
+    )
+
+
+def _check_flag(value, name: str) -> None:
+    # A traced or array flag would fail later as an obscure tracer-to-bool error.
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool (a static option), got {value!r}.")
+
+
+def _check_options(dropout_rate, scale, is_causal, broadcast_dropout) -> None:
+    """The scalar options both attention entry points share."""
+    _check_rate(dropout_rate)
+    _check_scale(scale)
+    _check_flag(is_causal, "is_causal")
+    _dropout_shared(broadcast_dropout)  # validates it even when dropout is off
 
 
 def _softmax_dtype(dtype):
@@ -171,7 +199,13 @@ def _mask_spec(
         ("mask", "window", "q_lengths", "kv_lengths", "q_segments", "kv_segments")
     )
     if mask is not None:
-        mask = jnp.asarray(mask)
+        try:
+            mask = jnp.asarray(mask)
+        except TypeError:
+            raise TypeError(
+                f"mask must be a boolean array (True = attend), got {type(mask).__name__} "
+                f"{mask!r:.40}. Build one with jattn.causal_mask, or use is_causal=True."
+            ) from None
         if mask.dtype != jnp.bool_:
             if not (
                 jnp.issubdtype(mask.dtype, jnp.integer) or jnp.issubdtype(mask.dtype, jnp.floating)
@@ -209,6 +243,14 @@ def _mask_spec(
             )
         if not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}.")
+        limit = q_len if field == "q_lengths" else kv_len
+        if not isinstance(lengths, jax.core.Tracer) and lengths.size:
+            low, high = int(lengths.min()), int(lengths.max())
+            if low < 0 or high > limit:
+                raise ValueError(
+                    f"{name} must be in [0, {limit}] (the padded length), got values from {low} "
+                    f"to {high}."
+                )
         spec[field] = lengths
     if key_value_segment_ids is not None and query_segment_ids is None:
         raise ValueError(
@@ -278,6 +320,17 @@ def _check_rng(rng, argument: str) -> None:
             "`rngs={'dropout': key}`; NNX: `rngs=nnx.Rngs(dropout=seed)`), or set "
             "`deterministic=True` for inference."
         )
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        single = rng.shape == ()
+    else:  # legacy raw key data: uint32 [2] (threefry) or [4] (rbg)
+        single = dtype == jnp.uint32 and np.ndim(rng) == 1
+    if not single:
+        got = f"{type(rng).__name__}" if dtype is None else f"dtype {dtype}, shape {rng.shape}"
+        raise TypeError(
+            f"{argument} must be one jax.random key (jax.random.key(seed), or a legacy "
+            f"jax.random.PRNGKey(seed)), got {got}. For a batch of keys, jax.vmap the call."
+        )
 
 
 def dropout(
@@ -307,6 +360,11 @@ def dropout(
     _check_rng(rng, "rng")
     shape = list(x.shape)
     for d in broadcast_dims:
+        if not -x.ndim <= d < x.ndim:
+            raise ValueError(
+                f"broadcast_dims {tuple(broadcast_dims)} name an axis outside x's {x.ndim} axes "
+                f"(shape {x.shape})."
+            )
         shape[d] = 1
     keep_prob = 1.0 - rate
     keep = _keep_mask(rng, keep_prob, tuple(shape))
@@ -442,7 +500,7 @@ def dot_product_attention_weights(
     rows, which are all zeros.
     """
     del force_fp32_for_softmax  # accepted for flax compatibility; the softmax is always fp32+
-    _check_rate(dropout_rate)
+    _check_options(dropout_rate, scale, is_causal, broadcast_dropout)
     query = _as_float_array(query, "query")
     key = _as_float_array(key, "key")
     query, key, _ = _check_qkv(query, key, key)
@@ -621,7 +679,7 @@ def dot_product_attention(
         ``implementation='blockwise'`` with an option only the dense path has.
     """
     del force_fp32_for_softmax
-    _check_rate(dropout_rate)
+    _check_options(dropout_rate, scale, is_causal, broadcast_dropout)
     query, key, value = _check_qkv(query, key, value)
     dtype = _compute_dtype(dtype, query, key, value)
     query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
