@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn import functional, kvcache
+from jattn import functional, kvcache, masks
 
 Array = jax.Array
 
@@ -87,6 +87,18 @@ def check_config(
     return num_kv_heads
 
 
+def check_numerics(cls_name: str, dtype, param_dtype) -> None:
+    """Validates ``dtype`` (None or floating) and ``param_dtype`` (floating).
+
+    Raises:
+      TypeError: a dtype that is not floating (or not a dtype).
+      ValueError: float64 while ``jax_enable_x64`` is off.
+    """
+    if dtype is not None:
+        masks._check_float_dtype(dtype, f"{cls_name}: dtype")
+    masks._check_float_dtype(param_dtype, f"{cls_name}: param_dtype")
+
+
 def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):
     """A projection's ``(kernel_init, bias_init)``, annotated for tensor parallelism.
 
@@ -130,7 +142,8 @@ def check_tokens(x, cls_name: str, *, context_length: int | None = None, d_in: i
 
     Raises:
       TypeError: a non-float input (token ids must be embedded first).
-      ValueError: rank < 2, more tokens than ``context_length``, a last axis other than ``d_in``.
+      ValueError: rank < 2, no tokens or features, more tokens than ``context_length``, a last
+        axis other than ``d_in``.
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -144,6 +157,11 @@ def check_tokens(x, cls_name: str, *, context_length: int | None = None, d_in: i
             f"{x.shape}."
         )
     num_tokens = x.shape[-2]
+    if num_tokens == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"{cls_name}: x must hold at least one token of at least one feature, got shape "
+            f"{x.shape}."
+        )
     if context_length is not None and num_tokens > context_length:
         raise ValueError(
             f"{cls_name}: x has {num_tokens} tokens (axis -2 of shape {x.shape}) but "

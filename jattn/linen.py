@@ -97,6 +97,28 @@ class _Projections(nn.Module):
     bias_init: Initializer = default_bias_init
     """Initializer of every bias."""
 
+    def __post_init__(self):
+        mu.check_numerics(type(self).__name__, self.dtype, self.param_dtype)
+        super().__post_init__()
+
+    def _check_params(self, x: Array) -> None:
+        """Clear errors for variables that do not fit ``x`` (flax would raise a Scope error)."""
+        if self.is_initializing() or self.is_mutable_collection("params"):
+            return
+        name = type(self).__name__
+        if not self.has_variable("params", "W_query"):
+            raise ValueError(
+                f"{name}: no parameter W_query in the variables. Pass what init returned, "
+                "module.apply({'params': params}, x), not the params dict itself."
+            )
+        w_query = nn.meta.unbox(self.get_variable("params", "W_query"))
+        d_in = (w_query if hasattr(w_query, "shape") else w_query["kernel"]).shape[0]
+        if x.shape[-1] != d_in:
+            raise ValueError(
+                f"{name}: x has {x.shape[-1]} features on its last axis (shape {x.shape}), but "
+                f"the parameters were initialized for d_in = {d_in}."
+            )
+
     def _dense(
         self, features: int, name: str, use_bias: bool, model_axis=None, split="columns"
     ) -> nn.Dense:
@@ -117,6 +139,7 @@ class _Projections(nn.Module):
 
     def _qkv(self, x: Array, q_features: int, kv_features: int, use_bias: bool, model_axis=None):
         """The three projections ``W_query, W_key, W_value`` of ``x [batch..., T, d_in]``."""
+        self._check_params(x)
         dense = functools.partial(self._dense, model_axis=model_axis)
         queries = dense(q_features, "W_query", use_bias)(x)  # [batch..., T, q_features]
         keys = dense(kv_features, "W_key", use_bias)(x)  # [batch..., T, kv_features]
@@ -208,6 +231,7 @@ class SelfAttentionV1(_Projections):
           ``[batch..., T, d_out]``; with ``return_weights`` also ``[batch..., 1, T, T]``.
         """
         x = mu.check_tokens(x, type(self).__name__)
+        self._check_params(x)
         d_in = x.shape[-1]
         shape = (d_in, self.d_out)
         # [batch..., T, d_out] each

@@ -82,7 +82,14 @@ v1_kernel_init = nnx.initializers.uniform(1.0)
 class _Attention(nnx.Module):
     """What every class keeps: numerics, and a way to build its projections."""
 
-    def _init_numerics(self, *, dtype, param_dtype, precision) -> None:
+    def _init_numerics(self, *, dtype, param_dtype, precision, rngs) -> None:
+        name = type(self).__name__
+        mu.check_numerics(name, dtype, param_dtype)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(
+                f"{name}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0), or "
+                f"nnx.Rngs(params=0, dropout=1)), got {type(rngs).__name__}."
+            )
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -137,7 +144,13 @@ class _DropoutAttention(_Attention):
           dtype: dtype of the cached keys and values.
         """
         name = type(self).__name__
-        input_shape = tuple(input_shape)
+        try:
+            input_shape = tuple(input_shape)
+        except TypeError:
+            raise TypeError(
+                f"{name}: input_shape must be a tuple (batch..., capacity, d_in), got "
+                f"{input_shape!r}."
+            ) from None
         if len(input_shape) < 2 or input_shape[-1] != self.d_in:
             raise ValueError(
                 f"{name}: input_shape must be (batch..., capacity, d_in={self.d_in}), got "
@@ -232,7 +245,7 @@ class SelfAttentionV1(_Attention):
     ):
         mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
         self.d_in, self.d_out = d_in, d_out
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         shape = (d_in, d_out)
         self.W_query = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
         self.W_key = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
@@ -281,7 +294,7 @@ class SelfAttentionV2(_Attention):
     ):
         mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
 
     def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
@@ -343,7 +356,7 @@ class CausalAttention(_DropoutAttention):
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length = context_length
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
         self._init_dropout(
             dropout=float(dropout),
@@ -443,7 +456,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length, self.num_heads = context_length, num_heads
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         # The heads keep the dropout streams; the wrapper keeps only the mode flags.
         self._init_dropout(
             dropout=float(dropout),
@@ -587,7 +600,7 @@ class MultiHeadAttention(_DropoutAttention):
             num_kv_heads,
         )
         self.head_dim = d_out // num_heads
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.model_axis = model_axis
         tp = functools.partial(mu.tensor_parallel_inits, nnx.with_partitioning)
         self._init_qkv(
