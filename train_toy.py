@@ -3,6 +3,7 @@
     python train_toy.py                      # copy task, runs "causal" and "leaky"
     python train_toy.py --text notes.txt     # character-level on your own text
     python train_toy.py --out runs/a --resume
+    python train_toy.py --model-parallel 2   # all devices: batch over 'data', heads over 'model'
 
 The causal model learns what can be learned from the past and nothing more: its loss
 stops at the task's entropy floor and it generates the copy correctly. The leaky model
@@ -139,6 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--platform", choices=PLATFORMS, default=None,
                    help="JAX platform (default: what JAX finds)")  # fmt: skip
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    g = p.add_argument_group(
+        "devices",
+        "Every device JAX finds (of every process) is used: the batch is split over a 'data' "
+        "mesh axis and, with --model-parallel, the attention heads and MLP units over a "
+        "'model' axis. Several hosts: run the same command on each, with --coordinator, "
+        "--num-processes and --process-id (or --distributed on a cluster JAX detects), and "
+        "an --out folder every host can reach (checkpoints).",
+    )
+    g.add_argument("--model-parallel", type=_int_at_least(1), metavar="N", default=1,
+                   help="tensor-parallel size: devices per 'model' group (must divide the "
+                   "number of devices and --num-heads)")  # fmt: skip
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help="multi-host: address of process 0, for jax.distributed.initialize")  # fmt: skip
+    g.add_argument("--num-processes", type=_int_at_least(1), metavar="N", default=None,
+                   help="multi-host: number of processes (one per host)")  # fmt: skip
+    g.add_argument("--process-id", type=_int_at_least(0), metavar="I", default=None,
+                   help="multi-host: this process's index, 0 .. N-1")  # fmt: skip
+    g.add_argument("--distributed", action="store_true",
+                   help="multi-host on a cluster JAX detects (SLURM, Open MPI, Cloud TPU, ...)")  # fmt: skip
     return p
 
 
@@ -158,6 +179,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.d_model % args.num_heads:
         parser.error(
             f"--d-model ({args.d_model}) must be a multiple of --num-heads ({args.num_heads})"
+        )
+    if args.num_heads % args.model_parallel:
+        parser.error(
+            f"--model-parallel ({args.model_parallel}) must divide --num-heads "
+            f"({args.num_heads}): each device of a model group holds whole heads"
+        )
+    multihost = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multihost) and not all(v is not None for v in multihost):
+        parser.error("--coordinator, --num-processes and --process-id go together")
+    if args.distributed and args.coordinator is not None:
+        parser.error("--distributed detects the cluster: drop --coordinator and its flags")
+    if args.process_id is not None and args.process_id >= args.num_processes:
+        parser.error(
+            f"--process-id ({args.process_id}) must be below --num-processes ({args.num_processes})"
         )
     if args.text is not None:
         if not os.path.isfile(args.text):
@@ -231,9 +266,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
+    from jattn.toy import parallel
+
+    if args.distributed or args.coordinator is not None:  # before anything else touches JAX
+        parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     devices = _select_platform(jax, args.platform)
     print(f"JAX {jax.__version__} on {jax.default_backend()}: {len(devices)} device(s): "
           + ", ".join(str(d) for d in devices))  # fmt: skip
+    try:
+        mesh = parallel.make_mesh(args.model_parallel, devices)
+    except ValueError as e:
+        _fail(f"--model-parallel: {e}")
+    data = mesh.shape[parallel.DATA_AXIS]
+    if args.batch_size % data:
+        _fail(f"--batch-size ({args.batch_size}) must be a multiple of the data-parallel size "
+              f"({data} = {len(devices)} devices / --model-parallel {args.model_parallel})")  # fmt: skip
+    primary = jax.process_index() == 0
+    print(f"mesh: data {data} x model {args.model_parallel}, "
+          f"process {jax.process_index()} of {jax.process_count()}")  # fmt: skip
 
     from jattn.toy import CopyTask, GPTConfig, TextTask, TrainConfig, run_experiment
     from jattn.toy.experiment import OutputFolderError
@@ -263,10 +313,12 @@ def main(argv=None) -> int:
     try:
         summary = run_experiment(
             task, model_config, train_config, out_dir=args.out, runs=args.runs,
-            resume=args.resume, progress=not args.no_progress,
+            resume=args.resume, progress=primary and not args.no_progress, mesh=mesh,
         )  # fmt: skip
     except OutputFolderError as e:  # an occupied --out, or settings unlike the run to resume
         _fail(str(e))
+    if not primary:  # process 0 writes the files and prints the results
+        return 0
     print()
     print(_table(summary))
     sample = summary["sample"]

@@ -44,7 +44,6 @@ from jattn.toy.experiment import OutputFolderError
 from jattn.toy.train import make_optimizer, next_token_loss
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVICE = jax.devices()[0]
 
 # A tiny setting that still learns something in a few dozen steps.
 TINY = dict(num_symbols=4, prefix_len=4, batch_size=16, seed=3)
@@ -298,8 +297,9 @@ def test_train_step_compiles_once_donates_and_uses_dropout():
     # another loss (through the same compiled step).
     def loss_with(key_seed):
         key = jax.random.key_data(jax.random.key(key_seed))
-        # Committed to the device like the rest of the state, so no new compilation.
-        st = init_state(model_cfg, train_cfg).replace(dropout_key=jax.device_put(key, DEVICE))
+        # Placed like the rest of the state (its mesh sharding), so no new compilation.
+        st = init_state(model_cfg, train_cfg)
+        st = st.replace(dropout_key=jax.device_put(key, st.dropout_key.sharding))
         return float(step(st, task.train_batch(0))[1]["loss"])
 
     assert loss_with(1) != loss_with(2)

@@ -8,7 +8,8 @@ under the output folder.
 ``summary.json``::
 
     {"task": "copy" | "text", "entropy_floor": float | null (nats per predicted token),
-     "platform": "cpu" | "gpu" | "tpu" ..., "devices": int,
+     "platform": "cpu" | "gpu" | "tpu" ..., "devices": int (in the mesh),
+     "mesh": {"data": int, "model": int}, "processes": int,
      "runs": {"causal": RUN, "leaky": RUN},
      "task_config": {...}, "model": {...}, "train": {...},
      "sample": {"prompt", "reference", "causal", "leaky"}}   # one held-out generation
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import causality
+from jattn.toy import parallel
 from jattn.toy.data import stream_key
 from jattn.toy.generate import generation_accuracy
 from jattn.toy.model import GPTConfig, TinyGPT
@@ -61,12 +63,19 @@ class OutputFolderError(ValueError):
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON object per line, tagged with its run."""
+    """``metrics.jsonl``: one JSON object per line, tagged with its run.
+
+    ``path=None`` keeps the records in memory instead (processes other than the first
+    of a multi-host run, which write no files).
+    """
 
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = None if path is None else Path(path)
+        self._records: list[dict] = []
 
     def read(self) -> list[dict]:
+        if self.path is None:
+            return list(self._records)
         if not self.path.exists():
             return []
         with self.path.open() as f:
@@ -75,12 +84,19 @@ class MetricsLog:
     def truncate(self, run: str, step: int) -> None:
         """Drops ``run``'s records after ``step`` (a resumed run rewrites them)."""
         kept = [r for r in self.read() if r["run"] != run or r["step"] <= step]
+        if self.path is None:
+            self._records = kept
+            return
         with self.path.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def append(self, run: str, records: Sequence[dict]) -> None:
+        tagged = [{"run": run, **r} for r in records]
+        if self.path is None:
+            self._records += tagged
+            return
         with self.path.open("a") as f:
-            f.writelines(json.dumps({"run": run, **r}) + "\n" for r in records)
+            f.writelines(json.dumps(r) + "\n" for r in tagged)
 
 
 def recent_train_loss(records: Sequence[dict], run: str, steps: int) -> float:
@@ -207,7 +223,7 @@ def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _check_config(out: Path, record: dict, resume: bool) -> None:
+def _check_config(out: Path, record: dict, resume: bool, *, write: bool = True) -> None:
     path = out / "config.json"
     if resume:
         if not path.exists():
@@ -225,8 +241,11 @@ def _check_config(out: Path, record: dict, resume: bool) -> None:
         raise OutputFolderError(
             f"{out} already holds a run; pass --resume to continue it or choose another --out."
         )
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # Several processes: every one checks the folder before the first one writes to it.
+    parallel.sync("jattn.toy: output folder checked")
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _labels(task, tokens) -> list[str]:
@@ -246,6 +265,7 @@ def run_experiment(
     until: int | None = None,
     num_eval: int = 256,
     echo: Callable[[str], None] = print,
+    mesh=None,
 ) -> dict | None:
     """Trains and measures each run; writes the results under ``out_dir``.
 
@@ -261,10 +281,17 @@ def run_experiment(
         finishes it, ending exactly where an uninterrupted run ends).
       num_eval: held-out windows for the measurements.
       echo: where one-line messages go.
+      mesh: the ``('data', 'model')`` device mesh to train on
+        (:func:`jattn.toy.parallel.make_mesh`; default: the 1x1 mesh of the default
+        device). The results do not depend on it beyond float rounding. With several
+        processes, each calls this function alike; only process 0 writes files (and
+        gets the summary), and all take part in the checkpoints (a folder every host
+        can reach).
 
     Returns:
       The summary written to ``summary.json``, or None when ``until`` stopped the runs
-      before ``train_config.steps`` (then only checkpoints and metrics are written).
+      before ``train_config.steps`` (then only checkpoints and metrics are written), and
+      on processes other than process 0.
     """
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs or len(set(runs)) != len(runs):
@@ -277,15 +304,17 @@ def run_experiment(
         "train": dataclasses.asdict(train_config),
         "runs": list(runs),
     }
-    _check_config(out, record, resume)
-    log = MetricsLog(out / "metrics.jsonl")
+    mesh = parallel.default_mesh() if mesh is None else mesh
+    primary = jax.process_index() == 0
+    _check_config(out, record, resume, write=primary)
+    log = MetricsLog(out / "metrics.jsonl" if primary else None)
     eval_windows = task.eval_set(num_eval)
     tokens_per_step = task.batch_size * (eval_windows.shape[1] - 1)
     results, attention, samples = {}, {}, {}
     for name in runs:
         model = TinyGPT(dataclasses.replace(model_config, causal=RUNS[name]))
         ckpt = Checkpointer(out / "checkpoints" / name)
-        state = init_state(model.config, train_config)
+        state = init_state(model.config, train_config, mesh)
         before = {"seconds": 0.0, "steady_seconds": 0.0, "steady_steps": 0}
         if resume and ckpt.latest_step() is not None:
             state, before = ckpt.restore(state)
@@ -294,13 +323,15 @@ def run_experiment(
         state, clock = _train_one(
             name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
             before=before, tokens_per_step=tokens_per_step, until=until, progress=progress,
+            mesh=mesh,
         )  # fmt: skip
         ckpt.close()
         steps = int(state.step)
         if steps < train_config.steps:  # stopped early by `until`: measure when finished
             echo(f"{name}: stopped at step {steps} of {train_config.steps}; resume to finish")
             continue
-        variables = {"params": state.params}
+        # Measured on one device per process, from a whole copy of the parameters.
+        variables = {"params": parallel.to_host(state.params)}
         measured = evaluate(model, variables, task, eval_windows, seed=train_config.seed)
         samples[name] = measured.pop("generated")[0]
         steady = clock["steady_steps"] > 0
@@ -314,14 +345,16 @@ def run_experiment(
             / (clock["steady_seconds"] if steady else clock["seconds"]),
         }
         attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
-    if len(results) < len(runs):
+    if len(results) < len(runs) or not primary:
         return None
 
     summary = {
         "task": task.name,
         "entropy_floor": task.entropy_floor,
         "platform": jax.default_backend(),
-        "devices": jax.device_count(),
+        "devices": mesh.size,
+        "mesh": parallel.mesh_shape(mesh),
+        "processes": jax.process_count(),
         "task_config": record["task"],
         "model": model_record,
         "train": record["train"],
@@ -341,7 +374,7 @@ def run_experiment(
 
 def _train_one(
     name, model, task, cfg, state, ckpt, log, *, eval_windows, before, tokens_per_step, until,
-    progress,
+    progress, mesh,
 ) -> tuple:  # fmt: skip
     """Trains one run from ``state`` with a progress bar, logging and checkpoints.
 
@@ -366,8 +399,10 @@ def _train_one(
         bar.update(len(records))
         bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
 
+    eval_on_mesh = parallel.replicate(eval_windows, mesh)  # next to the sharded params
+
     def on_eval(step, state):
-        loss = mean_loss(model, {"params": state.params}, eval_windows)
+        loss = mean_loss(model, {"params": state.params}, eval_on_mesh)
         log.append(name, [{"step": step, "eval_loss": float(loss)}])
 
     def clock(timing):
@@ -385,7 +420,7 @@ def _train_one(
 
     state, timing = train(
         model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
-        on_checkpoint=on_checkpoint,
+        on_checkpoint=on_checkpoint, mesh=mesh,
     )  # fmt: skip
     bar.close()
     return state, clock(timing)

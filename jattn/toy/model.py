@@ -6,6 +6,14 @@ token + position embeddings -> ``num_layers`` pre-LayerNorm blocks
 The only difference between the demo's "causal" and "leaky" models is
 ``GPTConfig.causal``, passed straight to ``MultiHeadAttention(causal=...)``: both have the
 same parameter tree, so the same seed gives them the same initial weights.
+
+Tensor parallelism is annotated, not coded: ``MultiHeadAttention(model_axis='model')``
+splits the heads (Q/K/V by columns, ``out_proj`` by rows) and the MLP is split alike
+(``mlp_in`` by columns, ``mlp_out`` by rows), so each device of a ``model`` group holds
+whole heads and a slice of the hidden units (Megatron-LM's layout). Everything else is
+replicated. The annotations only name mesh axes (``nn.with_partitioning``): they change no
+value, and :func:`init_variables` returns plain arrays; :mod:`jattn.toy.train` reads them
+with ``nn.get_partition_spec`` to place the parameters on a mesh.
 """
 
 from __future__ import annotations
@@ -17,8 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from jattn.linen import MultiHeadAttention
+from jattn.toy.parallel import MODEL_AXIS
 
 __all__ = ["GPTConfig", "TinyGPT", "init_variables"]
+
+# Flax's Dense defaults, annotated: hidden units split over the 'model' mesh axis.
+_mlp_in_kernel = nn.with_partitioning(nn.initializers.lecun_normal(), (None, MODEL_AXIS))
+_mlp_in_bias = nn.with_partitioning(nn.initializers.zeros_init(), (MODEL_AXIS,))
+_mlp_out_kernel = nn.with_partitioning(nn.initializers.lecun_normal(), (MODEL_AXIS, None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +89,7 @@ class Block(nn.Module):
             cfg.num_heads,
             causal=cfg.causal,
             decode=self.decode,
+            model_axis=MODEL_AXIS,
             name="attn",
         )(
             nn.LayerNorm(name="ln_attn")(x_BxTxD),
@@ -84,10 +99,15 @@ class Block(nn.Module):
         )
         x_BxTxD = x_BxTxD + nn.Dropout(cfg.dropout)(h_BxTxD, deterministic=deterministic)
         # [B, T, D] -> [B, T, mlp_ratio * D] -> [B, T, D]
-        h_BxTxF = nn.Dense(cfg.mlp_ratio * cfg.d_model, name="mlp_in")(
-            nn.LayerNorm(name="ln_mlp")(x_BxTxD)
+        h_BxTxF = nn.Dense(
+            cfg.mlp_ratio * cfg.d_model,
+            kernel_init=_mlp_in_kernel,
+            bias_init=_mlp_in_bias,
+            name="mlp_in",
+        )(nn.LayerNorm(name="ln_mlp")(x_BxTxD))
+        h_BxTxD = nn.Dense(cfg.d_model, kernel_init=_mlp_out_kernel, name="mlp_out")(
+            nn.gelu(h_BxTxF)
         )
-        h_BxTxD = nn.Dense(cfg.d_model, name="mlp_out")(nn.gelu(h_BxTxF))
         return x_BxTxD + nn.Dropout(cfg.dropout)(h_BxTxD, deterministic=deterministic)
 
 
@@ -148,6 +168,10 @@ class TinyGPT(nn.Module):
 
 
 def init_variables(config: GPTConfig, key: jax.Array) -> dict:
-    """Initial ``{'params': ...}`` of :class:`TinyGPT`; independent of ``config.causal``."""
+    """Initial ``{'params': ...}`` of :class:`TinyGPT`; independent of ``config.causal``.
+
+    Plain arrays: the sharding annotations are unboxed (``nn.get_partition_spec`` of
+    ``TinyGPT(config).init(...)`` reads them).
+    """
     tokens = jnp.zeros((1, config.context_length), jnp.int32)
-    return TinyGPT(config).init({"params": key}, tokens, deterministic=True)
+    return nn.meta.unbox(TinyGPT(config).init({"params": key}, tokens, deterministic=True))

@@ -1,8 +1,12 @@
 """Training pieces of the toy demo: optimizer, state, the jitted step, losses, checkpoints.
 
 Kept apart from the model (:mod:`jattn.toy.model`) and the data (:mod:`jattn.toy.data`)
-so each can change alone: a sharded or multi-device step only replaces
-:func:`make_train_step`, and :func:`train` feeds it whatever batches the task makes.
+so each can change alone: :func:`train` feeds the step whatever batches the task makes.
+
+Every state lives on a ``('data', 'model')`` device mesh (:mod:`jattn.toy.parallel`;
+default: the 1x1 mesh of the default device): :func:`state_shardings` says how each
+array is split, :func:`init_state` creates it so and :func:`make_train_step` compiles one
+SPMD step for it.
 
 Reproducibility: everything random comes from the run's seed (see
 :data:`jattn.toy.data.STREAMS`). The batch of step ``s`` is ``task.train_batch(s)`` and
@@ -24,9 +28,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jattn.toy import parallel
 from jattn.toy.data import stream_key
-from jattn.toy.model import GPTConfig, init_variables
+from jattn.toy.model import GPTConfig, TinyGPT, init_variables
 
 __all__ = [
     "Checkpointer",
@@ -38,6 +45,7 @@ __all__ = [
     "make_train_step",
     "mean_loss",
     "next_token_loss",
+    "state_shardings",
     "train",
 ]
 
@@ -136,28 +144,70 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def init_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
-    """Step 0: initial parameters from the seed's ``init`` stream and a fresh optimizer.
-
-    The arrays are committed to the default device, as restored checkpoints are, so a
-    fresh and a resumed state hit the same compiled train step.
-    """
-    keys = stream_key(cfg.seed, "init"), stream_key(cfg.seed, "dropout")
+def _shared(model_cfg: GPTConfig) -> GPTConfig:
     # Neither the mask nor the dropout rate has parameters: runs that differ only in
-    # those share one compiled initializer.
-    shared_cfg = dataclasses.replace(model_cfg, causal=True, dropout=0.0)
-    return jax.device_put(_init_state(shared_cfg, cfg, *keys), jax.devices()[0])
+    # those share one initializer and one set of shardings.
+    return dataclasses.replace(model_cfg, causal=True, dropout=0.0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_state(model_cfg: GPTConfig, cfg: TrainConfig, init_key, dropout_key) -> TrainState:
-    # Jitted: one compilation instead of one per initializer op.
-    params = init_variables(model_cfg, init_key)["params"]
+def _fresh_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
+    params = init_variables(model_cfg, stream_key(cfg.seed, "init"))["params"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=make_optimizer(cfg).init(params),
-        dropout_key=jax.random.key_data(dropout_key),
+        dropout_key=jax.random.key_data(stream_key(cfg.seed, "dropout")),
+    )
+
+
+@functools.cache
+def state_shardings(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> TrainState:
+    """How each array of the :class:`TrainState` is split over ``mesh``.
+
+    Parameters as :class:`jattn.toy.model.TinyGPT` annotates them (the ``model`` axis
+    splits attention heads and MLP hidden units), the optimizer's moments like their
+    parameters, everything else (step, key, counters) replicated. The ``data`` axis
+    splits no state: each data-parallel replica holds all of it.
+    """
+    model_cfg = _shared(model_cfg)
+    tokens = jax.ShapeDtypeStruct((1, model_cfg.context_length), jnp.int32)
+    # [the boxed (annotated) parameter tree, shapes only]
+    boxed = jax.eval_shape(
+        functools.partial(TinyGPT(model_cfg).init, deterministic=True), jax.random.key(0), tokens
+    )
+    param_specs = nn.get_partition_spec(boxed)["params"]
+    abstract = jax.eval_shape(functools.partial(_fresh_state, model_cfg, cfg))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    opt_specs = optax.tree_map_params(
+        make_optimizer(cfg),
+        lambda _, spec: spec,
+        abstract.opt_state,
+        param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=is_spec,
+    )
+    specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs, dropout_key=P())
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
+
+
+def init_state(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
+    """Step 0: initial parameters from the seed's ``init`` stream and a fresh optimizer.
+
+    Created directly in its shardings on ``mesh`` (default: the 1x1 mesh of the default
+    device), as restored checkpoints are, so a fresh and a resumed state hit the same
+    compiled train step. The values do not depend on the mesh.
+    """
+    mesh = parallel.default_mesh() if mesh is None else mesh
+    return _initializer(_shared(model_cfg), cfg, mesh)()
+
+
+@functools.cache
+def _initializer(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> Callable[[], TrainState]:
+    # Jitted: one compilation instead of one per initializer op; every process computes
+    # the same values and keeps the shards of its own devices.
+    return jax.jit(
+        functools.partial(_fresh_state, model_cfg, cfg),
+        out_shardings=state_shardings(model_cfg, cfg, mesh),
     )
 
 
@@ -168,15 +218,23 @@ def next_token_loss(logits_BxTxV, targets_BxT) -> jax.Array:
     ).mean()
 
 
-@functools.cache
-def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
-    """The jitted update ``(state, windows [B, T+1]) -> (state, metrics)``.
+def make_train_step(model: nn.Module, cfg: TrainConfig, mesh: Mesh | None = None) -> Callable:
+    """The jitted update ``(state, windows [B, T+1]) -> (state, metrics)`` on ``mesh``.
 
     The state is donated (its buffers are reused for the new state), so the caller must
-    not touch the old state after the call. Cached per ``(model, cfg)``, so a resumed
+    not touch the old state after the call. Cached per ``(model, cfg, mesh)``, so a resumed
     session in the same process reuses the compiled step. ``metrics`` holds the step's
     training loss (dropout on), the gradient norm before clipping and the learning rate.
+
+    One SPMD program: the state in and out in :func:`state_shardings` (so every step
+    reuses the compilation), the windows split by rows over ``data``, the metrics
+    replicated. ``mesh`` defaults to the 1x1 mesh of the default device.
     """
+    return _train_step(model, cfg, parallel.default_mesh() if mesh is None else mesh)
+
+
+@functools.cache
+def _train_step(model: nn.Module, cfg: TrainConfig, mesh: Mesh) -> Callable:
     tx, schedule = make_optimizer(cfg), lr_schedule(cfg)
 
     def step_fn(state: TrainState, windows_BxT1):
@@ -203,7 +261,13 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable:
         }
         return new_state, metrics
 
-    return jax.jit(step_fn, donate_argnums=0)
+    state_sharding = state_shardings(model.config, cfg, mesh)
+    return jax.jit(
+        step_fn,
+        donate_argnums=0,
+        in_shardings=(state_sharding, NamedSharding(mesh, P(parallel.DATA_AXIS))),
+        out_shardings=(state_sharding, NamedSharding(mesh, P())),
+    )
 
 
 @functools.partial(jax.jit, static_argnames="model")
@@ -276,6 +340,7 @@ def train(
     on_log: Callable[[list[dict]], None] | None = None,
     on_eval: Callable[[int, TrainState], None] | None = None,
     on_checkpoint: Callable[[TrainState, dict], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[TrainState, dict]:
     """Runs the updates ``state.step .. until - 1`` (default: to ``cfg.steps``).
 
@@ -292,6 +357,8 @@ def train(
         ``cfg.steps``.
       on_checkpoint: called as ``on_checkpoint(state, timing)`` every
         ``cfg.checkpoint_every`` steps and at ``until``, with the timing so far.
+      mesh: the device mesh of ``state`` (default: the 1x1 mesh of the default device);
+        each batch is split over its ``data`` axis (:func:`jattn.toy.parallel.shard_batch`).
 
     Returns:
       ``(state, timing)``: the final state, and ``timing`` with ``seconds`` (wall time of
@@ -299,7 +366,8 @@ def train(
       includes compiling the step) and ``steps`` (updates done by this call).
     """
     until = cfg.steps if until is None else until
-    train_step = make_train_step(model, cfg)
+    mesh = parallel.default_mesh() if mesh is None else mesh
+    train_step = make_train_step(model, cfg, mesh)
     start = int(state.step)
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
@@ -314,7 +382,7 @@ def train(
         }
 
     for s in range(start, until):
-        state, metrics = train_step(state, task.train_batch(s))
+        state, metrics = train_step(state, parallel.shard_batch(task.train_batch(s), mesh))
         done = s + 1
         if s == start:
             jax.block_until_ready(metrics)
