@@ -156,7 +156,7 @@ def core_functions() -> dict[str, Callable]:
         mask = nn.make_causal_mask(jnp.ones(q.shape[:2]), dtype=jnp.bool_)
         return nn.dot_product_attention(q, k, v, mask=mask)
 
-    return {
+    fns = {
         "jattn dense": functools.partial(
             jattn.dot_product_attention, is_causal=True, implementation="dense"
         ),
@@ -168,6 +168,15 @@ def core_functions() -> dict[str, Callable]:
         ),
         "flax.linen": flax_linen,
     }
+    if jax.default_backend() == "gpu":
+        # cuDNN's fused kernel takes float16/bfloat16 only: cast in, cast the result back.
+        def cudnn(q, k, v):
+            q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return out.astype(jnp.float32)
+
+        fns["jax.nn (cudnn, bf16)"] = cudnn
+    return fns
 
 
 def grad_of_sum(fn: Callable) -> Callable:
@@ -364,7 +373,7 @@ def bench_dropout_masks(shape, *, rate, rounds, log):
         cands.append(jax_candidate(f"jax.random.bernoulli ({impl})", fn, key, weights))
     jattn_fn = lambda key, w: jnp.where(_prng.keep_mask(key, keep, w.shape), w / keep, 0.0)  # noqa: E731
     cands.append(
-        jax_candidate("jattn Philox-4x32-10 counters", jattn_fn, jax.random.key(0), weights)
+        jax_candidate("jattn (Philox row keys + lowbias32)", jattn_fn, jax.random.key(0), weights)
     )
     cands.append(jax_candidate("no dropout (w / keep only)", lambda key, w: w / keep, 0, weights))
     interleave(cands, rounds)
@@ -410,9 +419,43 @@ def core_dropout_candidates(*, t, heads, head_dim, rate) -> list[Candidate]:
     return cands
 
 
+def accuracy(t, *, batch, heads, head_dim):
+    """Max |blockwise - dense| of outputs and of q/k/v gradients (float32, causal)."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, k, v = (jax.random.normal(key, (batch, t, heads, head_dim)) for key in keys[:3])
+    ct = jax.random.normal(keys[3], q.shape)
+
+    def out_and_grads(name):
+        fn = core_functions()[name]
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(ct)
+
+    (out_b, grads_b), (out_d, grads_d) = jax.jit(
+        lambda: (out_and_grads(BLOCKWISE), out_and_grads("jattn dense"))
+    )()
+    out_err = float(jnp.abs(out_b - out_d).max())
+    grad_err = max(float(jnp.abs(a - b).max()) for a, b in zip(grads_b, grads_d, strict=True))
+    return out_err, grad_err
+
+
 # ----------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Goal:
+    text: str
+    figure: str
+    met: bool | None  # None: not measured in this run
+
+
+def goals_report(goals: list[Goal]) -> list[str]:
+    rows = [
+        [g.text, g.figure, "—" if g.met is None else ("met" if g.met else "**missed**")]
+        for g in goals
+    ]
+    return ["## Goals (issue 5)", "", table(["goal", "measured", ""], rows), ""]
 
 
 def core_report(results, memory, lengths) -> list[str]:
@@ -524,11 +567,14 @@ def plot(results, memory, lengths, path) -> None:
 
 def environment() -> str:
     torch_v = torch.__version__ if torch is not None else "not installed"
-    return (
+    text = (
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPU cores, backend {jax.default_backend()}; jax {jax.__version__}, "
         f"flax {flax.__version__}, torch {torch_v}, python {platform.python_version()}"
     )
+    if jax.default_backend() != "gpu":
+        text += " (no GPU in this run: the cuDNN comparison was not made)"
+    return text
 
 
 # ----------------------------------------------------------------------------------------
@@ -590,31 +636,86 @@ def main(argv=None) -> int:
         "",
     ]
 
+    goals: list[Goal] = []
+    body: list[str] = []
     results, memory = bench_core(
         lengths, rounds=rounds, dense_max_len=args.dense_max_len, log=log, **core_dims
     )
-    lines += [f"## Core: B=1, H={core_dims['heads']}, D={core_dims['head_dim']}", ""]
-    lines += core_report(results, memory, lengths)
-    big = [t for t in lengths if (("fwd+bwd", t, BLOCKWISE) in memory)]
+    body += [f"## Core: B=1, H={core_dims['heads']}, D={core_dims['head_dim']}", ""]
+    body += core_report(results, memory, lengths)
+    goal_t = 4096 if not quick else lengths[-1]
+    if ("fwd", goal_t) in results:
+        for mode, bound in (("fwd", 0.6), ("fwd+bwd", 0.8)):
+            by = {c.name: c for c in results[(mode, goal_t)]}
+            if "jax.nn (xla)" in by:
+                r = paired_ratio(by[BLOCKWISE], by["jax.nn (xla)"])
+                goals.append(
+                    Goal(f"core T={goal_t} {mode} <= {bound}x jax.nn", fmt_ratio(r), r <= bound)
+                )
+    big = [t for t in lengths if ("fwd+bwd", t, BLOCKWISE) in memory]
     if len(big) >= 2:
         a, b = big[-2], big[-1]
-        ratio = memory[("fwd+bwd", b, BLOCKWISE)] / memory[("fwd+bwd", a, BLOCKWISE)]
-        lines += [f"Blockwise fwd+bwd memory({b}) / memory({a}) = {ratio:.2f}.", ""]
+        ours_b = memory[("fwd+bwd", b, BLOCKWISE)]
+        ratio = ours_b / memory[("fwd+bwd", a, BLOCKWISE)]
+        body += [f"Blockwise fwd+bwd memory({b}) / memory({a}) = {ratio:.2f}.", ""]
+        goals.append(
+            Goal(
+                f"memory({b}) / memory({a}) <= 2.5 (blockwise fwd+bwd)",
+                f"{ratio:.2f}",
+                ratio <= 2.5,
+            )
+        )
+        ref = memory.get(("fwd+bwd", b, "jax.nn (xla)"))
+        if ref:
+            goals.append(
+                Goal(
+                    f"fwd+bwd memory at T={b} <= 15% of jax.nn",
+                    f"{100 * ours_b / ref:.1f}% ({fmt_mb(ours_b)} / {fmt_mb(ref)} MB)",
+                    ours_b <= 0.15 * ref,
+                )
+            )
     long = bench_long(long_len, log=log, **core_dims)
-    lines += [
+    body += [
         f"Long sequence: blockwise forward+backward at T={long_len} ran in "
         f"{fmt_ms(long.median_s)} ms (one run; compile {long.compile_s:.1f} s), "
         f"temporary memory {fmt_mb(long.temp_bytes)} MB.",
         "",
     ]
+    goals.append(
+        Goal(
+            f"fwd+bwd at T={long_len} runs",
+            f"{fmt_ms(long.median_s)} ms, {fmt_mb(long.temp_bytes)} MB temp",
+            True,
+        )
+    )
+    out_err, grad_err = accuracy(1024 if not quick else lengths[0], **core_dims)
+    body += [
+        f"Accuracy (T={1024 if not quick else lengths[0]}, float32): max |blockwise - dense| "
+        f"= {out_err:.1e} (outputs), {grad_err:.1e} (q/k/v gradients).",
+        "",
+    ]
+    goals.append(
+        Goal(
+            "outputs within 1e-5, gradients within 1e-4 of dense float32",
+            f"{out_err:.1e} / {grad_err:.1e}",
+            out_err <= 1e-5 and grad_err <= 1e-4,
+        )
+    )
 
     if not args.skip_module:
-        lines += [
+        body += [
             f"## Module: B={mod['b']}, T={mod['t']}, C={mod['c']}, H={mod['h']} "
             "(projections + causal attention)",
             "",
         ]
-        lines += module_report(bench_module(rounds=rounds, log=log, **mod))
+        module_results = bench_module(rounds=rounds, log=log, **mod)
+        body += module_report(module_results)
+        by = {c.name: c for c in module_results["fwd+bwd"]}
+        ours = by["jattn.linen MHA"]
+        for peer, bound in (("flax.linen MHDPA", 0.70), ("torch SDPA MHA", 1.1)):
+            if peer in by:
+                r = paired_ratio(ours, by[peer])
+                goals.append(Goal(f"MHA fwd+bwd <= {bound}x {peer}", fmt_ratio(r), r <= bound))
 
     if not args.skip_dropout:
         shape = (mod["b"], mod["h"], mod["t"], mod["t"])
@@ -630,7 +731,7 @@ def main(argv=None) -> int:
             ]
             for c in masks
         ]
-        lines += [
+        body += [
             f"## Dropout masks: keep-mask applied to weights {list(shape)} (rate 0.1)",
             "",
             table(["generator", "median ms", "ns / element", "vs no dropout"], rows),
@@ -642,17 +743,11 @@ def main(argv=None) -> int:
         )
         interleave(steps + core_steps, rounds)
         rows = []
-        for pair in (steps, core_steps):
-            off, on = pair
-            rows.append(
-                [
-                    on.name,
-                    fmt_ms(off.median_s),
-                    fmt_ms(on.median_s),
-                    fmt_ratio(paired_ratio(on, off)),
-                ]
-            )
-        lines += [
+        for off, on in (steps, core_steps):
+            r = paired_ratio(on, off)
+            rows.append([on.name, fmt_ms(off.median_s), fmt_ms(on.median_s), fmt_ratio(r)])
+            goals.append(Goal(f"{on.name} <= 1.3x without", fmt_ratio(r), r <= 1.3))
+        body += [
             f"## Training step with dropout 0.1 vs without (T={mod['t']})",
             "",
             table(["step", "no dropout ms", "dropout ms", "ratio"], rows),
@@ -661,9 +756,10 @@ def main(argv=None) -> int:
         log("train steps: " + ", ".join(f"{r[0]} {r[3]}" for r in rows))
 
     plot(results, memory, lengths, png)
-    lines += [f"![core timings and memory]({os.path.basename(png)})", ""]
+    body += [f"![core timings and memory]({os.path.basename(png)})", ""]
     with open(args.out, "w") as f:
-        f.write("\n".join(lines))
+        # --quick sizes are not the goals' sizes: no goal table then.
+        f.write("\n".join(lines + ([] if quick else goals_report(goals)) + body))
     log(f"wrote {args.out} and {png}")
     return 0
 

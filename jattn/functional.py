@@ -542,10 +542,11 @@ def _apply_weight_dropout(weights, n_batch, rate, rng, deterministic, broadcast_
     )
 
 
-# The automatic rule's size threshold: on CPU the blockwise path is used once each query
-# block and key block would be at least this long (shorter sequences: dense is as fast,
-# see benchmarks/results.md). Elsewhere (GPU/TPU, not measured here) dense is kept unless
-# its [q_len, kv_len] logits per (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
+# The automatic rule's thresholds. On CPU the blockwise path is used when q_len and kv_len
+# are both at least _AUTO_MIN_LEN: below that the two paths measured within noise of each
+# other, above it blockwise is faster (benchmarks/results.md), and one-query decoding
+# stays dense. Elsewhere (GPU/TPU, not measured here) dense is kept unless its
+# [q_len, kv_len] logits per (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
 _AUTO_MIN_LEN = 128
 _AUTO_DENSE_MAX_SCORES = 4096 * 4096
 
