@@ -63,9 +63,10 @@ def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float >= 0, got {temperature!r}.")
     temperature = float(temperature)
-    if not temperature >= 0.0:  # also rejects NaN
+    if not 0.0 <= temperature < float("inf"):  # also rejects NaN
         raise ValueError(
-            f"temperature must be >= 0 (0 = greedy), got {temperature}. It divides the logits "
+            f"temperature must be >= 0 and finite (0 = greedy), got {temperature}. It divides "
+            "the logits "
             "before sampling: below 1 sharpens, above 1 flattens the distribution."
         )
     if top_k is not None:
@@ -97,8 +98,17 @@ def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, t
       int32 ``[batch...]`` token ids.
     """
     temperature, top_k = _check_sampling(temperature, top_k, key)
+    logits = jnp.asarray(logits)
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise TypeError(
+            f"logits must be a float array [batch..., vocab], got dtype {logits.dtype}."
+        )
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits must have shape [batch..., vocab] with vocab >= 1, got {logits.shape}."
+        )
     # [batch..., V] in float32: sampling should not depend on a bfloat16 rounding.
-    logits = jnp.asarray(logits).astype(jnp.promote_types(jnp.asarray(logits).dtype, jnp.float32))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if top_k is not None and top_k < logits.shape[-1]:
@@ -117,6 +127,15 @@ def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, t
 # ----------------------------------------------------------------------------------------
 
 
+def _check_model_fn(fn, name: str) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"{name} must be a function of (params, tokens, ...) (see jattn.generate), got "
+            f"{type(fn).__name__}. For a Linen model use jattn.generate.Linen"
+            f"{'DecodeFn' if name == 'decode_fn' else 'ForwardFn'}(model)."
+        )
+
+
 def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]:
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -126,6 +145,11 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
         )
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token per row (prompt_len >= 1).")
+    if not isinstance(prompt, jax.core.Tracer) and prompt.size and int(prompt.min()) < 0:
+        raise ValueError(
+            f"prompt holds negative token ids (smallest {int(prompt.min())}); token ids are in "
+            "[0, vocab_size)."
+        )
     masks_lib._check_size(max_new_tokens, "max_new_tokens")
     batch, prompt_len = prompt.shape
     if prompt_lengths is None:
@@ -229,6 +253,7 @@ def generate(
     Returns:
       int32 ``[B, max_new_tokens]``: the continuation of each row's real prompt.
     """
+    _check_model_fn(decode_fn, "decode_fn")
     temperature, top_k = _check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
     _check_cache_room(cache, lengths, max_new_tokens)
@@ -299,6 +324,7 @@ def generate_recompute(
       int32 ``[B, max_new_tokens]``, the same tokens :func:`generate` gives for a model
       whose cached and uncached logits agree.
     """
+    _check_model_fn(forward_fn, "forward_fn")
     temperature, top_k = _check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
     return _generate_recompute(

@@ -110,16 +110,19 @@ def init_cache(
       ``KVCache(keys [*batch_shape, capacity, num_kv_heads, head_dim], values [...,
       v_head_dim], lengths int32 [*batch_shape])``.
     """
-    batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+    try:
+        batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+    except TypeError:
+        raise TypeError(
+            f"batch_shape must be an int or a tuple of ints (the batch dims), got {batch_shape!r}."
+        ) from None
     for i, d in enumerate(batch_shape):
         masks_lib._check_size(d, f"batch_shape[{i}]")
     capacity = masks_lib._check_size(capacity, "capacity")
     num_kv_heads = masks_lib._check_size(num_kv_heads, "num_kv_heads")
     head_dim = masks_lib._check_size(head_dim, "head_dim")
     v_head_dim = head_dim if v_head_dim is None else masks_lib._check_size(v_head_dim, "v_head_dim")
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype for the key/value buffers, got {dtype}.")
+    dtype = masks_lib._check_float_dtype(dtype, "dtype")
     return KVCache(
         keys=jnp.zeros((*batch_shape, capacity, num_kv_heads, head_dim), dtype),
         values=jnp.zeros((*batch_shape, capacity, num_kv_heads, v_head_dim), dtype),
@@ -137,6 +140,8 @@ def _check_cache(cache) -> KVCache:
             "cache.keys and cache.values must be [batch..., capacity, num_kv_heads, dim] with "
             f"the same leading dims, got {cache.keys.shape} and {cache.values.shape}."
         )
+    if not jnp.issubdtype(cache.lengths.dtype, jnp.integer):
+        raise TypeError(f"cache.lengths must hold integers, got dtype {cache.lengths.dtype}.")
     if cache.lengths.shape != cache.keys.shape[:-3]:
         raise ValueError(
             f"cache.lengths must have the batch shape {cache.keys.shape[:-3]}, got "
@@ -175,7 +180,10 @@ def fits(cache: KVCache, num_new) -> Array:
     Works under ``jax.jit``, e.g. ``checkify.check(jnp.all(fits(cache, n)), "cache full")``.
     """
     cache = _check_cache(cache)
-    return cache.lengths + jnp.asarray(num_new, jnp.int32) <= capacity(cache)
+    num_new = jnp.asarray(num_new)
+    if not jnp.issubdtype(num_new.dtype, jnp.integer):
+        raise TypeError(f"num_new must hold integers, got dtype {num_new.dtype}.")
+    return cache.lengths + num_new.astype(jnp.int32) <= capacity(cache)
 
 
 def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
@@ -200,7 +208,7 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
         for what happens under jit).
     """
     cache = _check_cache(cache)
-    key, value = jnp.asarray(key), jnp.asarray(value)
+    key, value = functional._as_float_array(key, "key"), functional._as_float_array(value, "value")
     batch_shape, cap = cache.keys.shape[:-3], capacity(cache)
     for name, x, buf in (("key", key, cache.keys), ("value", value, cache.values)):
         if x.ndim != buf.ndim or x.shape[:-3] != batch_shape or x.shape[-2:] != buf.shape[-2:]:
@@ -271,7 +279,16 @@ def decode_mask(
       causal: hide keys after the query's position.
       window: sliding window: how many keys before the query's position stay visible.
     """
-    starts = jnp.asarray(starts, jnp.int32)
+    starts, lengths = jnp.asarray(starts), jnp.asarray(lengths)
+    for name, x in (("starts", starts), ("lengths", lengths)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must hold integers (token counts), got dtype {x.dtype}.")
+    if starts.shape != lengths.shape:
+        raise ValueError(
+            f"starts must have the batch shape {lengths.shape} (one length per row), got "
+            f"{starts.shape}."
+        )
+    starts = starts.astype(jnp.int32)
     # [batch..., 1, 1]: per-row offsets broadcast against the [q_len, kv_len] builders.
     offset = starts[..., None, None]
     parts = [masks_lib.padding_mask_from_lengths(key_lengths=lengths, kv_len=kv_len)]
