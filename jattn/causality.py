@@ -74,19 +74,35 @@ def dependence_matrix(
     Returns:
       numpy ``[T_out, T_in]``: ``D[i, j]`` is the effect of input ``j`` on output ``i``.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a function of one array, got {type(fn).__name__}.")
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("x must have a sequence axis, got a scalar.")
+    if not -x.ndim <= in_axis < x.ndim:
+        raise ValueError(f"in_axis={in_axis} is not an axis of x (shape {x.shape}).")
+    y_ndim = jax.eval_shape(fn, x).ndim
+    if not -y_ndim <= out_axis < max(y_ndim, 1):
+        raise ValueError(
+            f"out_axis={out_axis} is not an axis of fn(x) (rank {y_ndim}); fn must return a "
+            "sequence of outputs, e.g. [batch..., T, features]."
+        )
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2
+    ):
+        raise ValueError(
+            f"vocab_size must be an int >= 2 (a replacement token must differ from the "
+            f"original), got {vocab_size!r}."
+        )
     if method == "gradient":
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(
                 f"method='gradient' needs a float input, got {x.dtype}; use "
                 "method='perturbation' (with vocab_size=) for token ids."
             )
-        y = jax.eval_shape(fn, x)
         jac = jax.jit(jax.jacrev(fn))(x)  # y.shape + x.shape; one compilation, not one per op
-        out_ax = out_axis % y.ndim
-        in_ax = y.ndim + (in_axis % x.ndim)
+        out_ax = out_axis % y_ndim
+        in_ax = y_ndim + (in_axis % x.ndim)
         return np.asarray(_reduce_to(jac, (out_ax, in_ax)))
     if method != "perturbation":
         raise ValueError(f"method must be 'gradient' or 'perturbation', got {method!r}.")
@@ -126,4 +142,6 @@ def future_leak(fn, x, **kwargs) -> float:
 
 def is_causal(fn, x, *, atol: float = 0.0, **kwargs) -> bool:
     """True when no output depends on a future input (``future_leak <= atol``)."""
+    if not atol >= 0:
+        raise ValueError(f"atol must be >= 0, got {atol}.")
     return future_leak(fn, x, **kwargs) <= atol

@@ -22,10 +22,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jattn import masks
 
 __all__ = [
     "from_torch_state_dict",
@@ -58,6 +61,11 @@ def _to_numpy(key: str, value) -> np.ndarray:
         ) from None
     if not np.issubdtype(array.dtype, np.floating):
         raise TypeError(f"state_dict[{key!r}] must hold floats, got dtype {array.dtype}.")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(
+            f"state_dict[{key!r}] holds NaN or Inf values: the checkpoint is corrupt or was "
+            "saved from a diverged run."
+        )
     return array
 
 
@@ -155,6 +163,18 @@ def _raw_group(arrays: dict[str, np.ndarray]) -> dict:
                 f"{shape}, got shape {w.shape}."
             )
     return {name: arrays[name] for name in _PROJECTIONS}
+
+
+def _check_module(module, api: str, what: str = "module") -> None:
+    """``api``: ``'nnx'`` (an NNX module) or ``'any'`` (Linen or NNX)."""
+    ok = isinstance(module, nnx.Module) or (api == "any" and isinstance(module, nn.Module))
+    if not ok:
+        kind = "a jattn.nnx module" if api == "nnx" else "a jattn.linen or jattn.nnx module"
+        raise TypeError(
+            f"{what} must be {kind} (constructed, e.g. jattn.nnx.MultiHeadAttention(d_in, "
+            f"d_out, context_length, dropout, num_heads, rngs=nnx.Rngs(0))), got "
+            f"{type(module).__name__}."
+        )
 
 
 def _expected_params(module, d_in: int) -> dict:
@@ -316,6 +336,7 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], module=None) -> dict:
         raise ValueError("state_dict holds no attention parameters (is it empty?).")
 
     if module is not None:
+        _check_module(module, "any")
         w_query = (params["heads_0"] if heads else params)["W_query"]
         d_in = np.shape(w_query if raw else w_query["kernel"])[0]
         _match_tree(
@@ -360,9 +381,16 @@ def linen_to_nnx(variables: Mapping, module: nnx.Module) -> nnx.Module:
       ValueError: a missing or unexpected parameter, or a shape mismatch (naming its path).
     """
     params = _params_of(variables)
+    _check_module(module, "nnx")
     state = nnx.state(module, nnx.Param)
     current = nnx.to_pure_dict(state)
     _match_tree(params, current, "/".join, "variables['params']")
+    for path, value in _flatten(params).items():
+        if not jnp.issubdtype(jnp.asarray(value).dtype, jnp.floating):
+            raise TypeError(
+                f"variables['params'][{'/'.join(path)}] must hold floats, got dtype "
+                f"{jnp.asarray(value).dtype}."
+            )
     cast = jax.tree.map(lambda new, old: jnp.asarray(new, dtype=old.dtype), dict(params), current)
     nnx.replace_by_pure_dict(state, cast)
     nnx.update(module, state)
@@ -371,6 +399,7 @@ def linen_to_nnx(variables: Mapping, module: nnx.Module) -> nnx.Module:
 
 def nnx_to_linen(module: nnx.Module) -> dict:
     """Linen variables ``{'params': ...}`` holding an NNX module's parameters (same names)."""
+    _check_module(module, "nnx")
     return {"params": nnx.to_pure_dict(nnx.state(module, nnx.Param))}
 
 
@@ -452,7 +481,10 @@ def split_to_wrapper(
         raise ValueError(
             f"variables['params'] must be MultiHeadAttention params; missing {missing}."
         )
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    num_heads = masks._check_size(num_heads, "num_heads")
+    num_kv_heads = (
+        num_heads if num_kv_heads is None else masks._check_size(num_kv_heads, "num_kv_heads")
+    )
     d_out = np.shape(params["W_query"]["kernel"])[-1]
     d_kv = np.shape(params["W_key"]["kernel"])[-1]
     if num_heads < 1 or d_out % num_heads:
