@@ -11,6 +11,8 @@ Pieces, each replaceable on its own:
   step, orbax checkpoints.
 * :mod:`jattn.toy.generate` -- greedy generation through the KV cache, and its accuracy.
 * :mod:`jattn.toy.plots` -- loss curves and attention heatmaps.
+* :mod:`jattn.toy.parallel` -- the ``('data', 'model')`` device mesh every run trains on
+  (a 1x1 mesh on one device), batch placement, ``jax.distributed`` for several hosts.
 * :mod:`jattn.toy.experiment` -- :func:`run_experiment`: the causal and leaky runs, measured
   and written to disk.
 """
