@@ -428,13 +428,16 @@ def _attention_weights(query, key, bias, spec, *, is_causal, scale, dtype, preci
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
 
-    # [batch..., T, K, G, D]: query heads grouped by the key/value head they share.
-    q_grouped = query.reshape(*batch, q_len, num_kv_heads, groups, head_dim)
-    # [batch..., K, G, T, S] -> [batch..., H, T, S]   (head h = k * G + g, as jax.nn)
+    # [batch..., K, G, T, D]: query heads grouped by the key/value head they share, moved
+    # before T (a small copy) so that the product below comes out as [.., T, S] without a
+    # transpose of the [T, S] matrix.
+    q_grouped = jnp.moveaxis(query.reshape(*batch, q_len, num_kv_heads, groups, head_dim), -4, -2)
+    # [batch..., K, G, T, D] x [batch..., K, S, D] -> [batch..., K, G, T, S] -> [batch..., H, T, S]
+    # (head h = k * G + g, as jax.nn)
     logits = jnp.einsum(
-        "...tkgd,...skd->...kgts",
+        "...kgtd,...ksd->...kgts",
         q_grouped,
-        key,
+        jnp.moveaxis(key, -3, -2),
         precision=precision,
         preferred_element_type=sm_dtype,
     ).reshape(logits_shape)
@@ -736,15 +739,16 @@ def dot_product_attention(
     groups = num_heads // num_kv_heads
     # [batch..., H, T, S] -> [batch..., K, G, T, S]
     dropped = dropped.astype(dtype).reshape(*batch, num_kv_heads, groups, q_len, kv_len)
-    # [batch..., K, G, T, S] x [batch..., S, K, Dv] -> [batch..., T, K, G, Dv] -> [batch..., T, H, Dv]
+    # [batch..., K, G, T, S] x [batch..., K, S, Dv] -> [batch..., K, G, T, Dv]
     out = jnp.einsum(
-        "...kgts,...skd->...tkgd",
+        "...kgts,...ksd->...kgtd",
         dropped,
-        value,
+        jnp.moveaxis(value, -3, -2),
         precision=precision,
         preferred_element_type=_softmax_dtype(dtype),
     )
-    out = out.reshape(*batch, q_len, num_heads, v_dim).astype(dtype)
+    # -> [batch..., T, K, G, Dv] -> [batch..., T, H, Dv]
+    out = jnp.moveaxis(out, -2, -4).reshape(*batch, q_len, num_heads, v_dim).astype(dtype)
     if return_weights:
         return out, weights.astype(dtype)
     return out
