@@ -550,7 +550,7 @@ def _apply_weight_dropout(weights, n_batch, rate, rng, deterministic, broadcast_
 # other, above it blockwise is faster (benchmarks/results.md), and one-query decoding
 # stays dense. Elsewhere (GPU/TPU, not measured here) dense is kept unless its
 # [q_len, kv_len] logits per (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
-_AUTO_MIN_LEN = 128
+_AUTO_MIN_LEN = 256
 _AUTO_DENSE_MAX_SCORES = 4096 * 4096
 
 
@@ -629,7 +629,7 @@ def dot_product_attention(
     ``implementation=None`` (automatic) picks ``'dense'`` when the call needs the weight
     matrix (``return_weights=True``, ``module=``), adds a ``bias`` array or has a traced
     ``scale``; otherwise, on CPU, ``'blockwise'`` when ``q_len`` and ``kv_len`` are both at
-    least 128 (where it measured faster, ``benchmarks/results.md``), and on other backends
+    least 256 (where it measured faster, ``benchmarks/results.md``), and on other backends
     (not measured) ``'blockwise'`` only when ``q_len * kv_len >= 4096**2`` (memory).
 
     Args:

@@ -358,8 +358,8 @@ def _is_blockwise(t, s=None, **kw):
 
 def test_automatic_rule():
     assert _is_blockwise(256, is_causal=True)
-    assert _is_blockwise(128, 512)
-    assert not _is_blockwise(64, is_causal=True)  # short: dense
+    assert _is_blockwise(256, 512)
+    assert not _is_blockwise(128, is_causal=True)  # short: dense
     assert not _is_blockwise(1, 4096)  # one query (decoding): dense
     assert not _is_blockwise(256, return_weights=True)  # needs the weights
     assert not _is_blockwise(256, bias=jnp.zeros((256, 256)))
