@@ -546,10 +546,10 @@ def _apply_weight_dropout(weights, n_batch, rate, rng, deterministic, broadcast_
 
 
 # The automatic rule's thresholds. On CPU the blockwise path is used when q_len and kv_len
-# are both at least _AUTO_MIN_LEN: below that the two paths measured within noise of each
-# other, above it blockwise is faster (benchmarks/results.md), and one-query decoding
-# stays dense. Elsewhere (GPU/TPU, not measured here) dense is kept unless its
-# [q_len, kv_len] logits per (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
+# are both at least _AUTO_MIN_LEN: from there on it measured faster, below it dense was as
+# fast or faster (benchmarks/results.md), and one-query decoding stays dense. Elsewhere
+# (GPU/TPU, not measured here) dense is kept unless its [q_len, kv_len] logits per
+# (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
 _AUTO_MIN_LEN = 256
 _AUTO_DENSE_MAX_SCORES = 4096 * 4096
 
