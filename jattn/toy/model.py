@@ -60,7 +60,14 @@ class GPTConfig:
     causal: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+        for name in (
+            "vocab_size",
+            "context_length",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "mlp_ratio",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
@@ -68,6 +75,8 @@ class GPTConfig:
             raise ValueError(
                 f"d_model ({self.d_model}) must be a multiple of num_heads ({self.num_heads})."
             )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise TypeError(f"dropout must be a float in [0, 1), got {self.dropout!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}.")
 
@@ -141,6 +150,19 @@ class TinyGPT(nn.Module):
         num_new=None,
     ):
         cfg = self.config
+        tokens_BxT = jnp.asarray(tokens_BxT)
+        if not jnp.issubdtype(tokens_BxT.dtype, jnp.integer) or tokens_BxT.ndim < 1:
+            raise TypeError(
+                f"TinyGPT takes int token ids [batch..., T], got {tokens_BxT.dtype} "
+                f"{tokens_BxT.shape}."
+            )
+        if not isinstance(tokens_BxT, jax.core.Tracer) and tokens_BxT.size:
+            low, high = int(tokens_BxT.min()), int(tokens_BxT.max())
+            if low < 0 or high >= cfg.vocab_size:  # an embedding lookup would give NaN
+                raise ValueError(
+                    f"TinyGPT got token ids from {low} to {high}, outside [0, vocab_size = "
+                    f"{cfg.vocab_size})."
+                )
         t = tokens_BxT.shape[-1]
         if t > cfg.context_length:
             raise ValueError(
