@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jattn import blockwise, functional
+from jattn import blockwise, functional, masks
 
 __all__ = ["ring_attention", "ring_attention_shard"]
 
@@ -171,6 +171,14 @@ def _ring_attention_bwd(ring, residuals, d_out):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
+def _check_options(scale, is_causal, block_q, block_k) -> None:
+    functional._check_scale(scale)
+    functional._check_flag(is_causal, "is_causal")
+    for name, block in (("block_q", block_q), ("block_k", block_k)):
+        if block is not None:
+            masks._check_size(block, name)
+
+
 def _tile_length(length: int, requested: int) -> int:
     # A block shorter than a tile is one tile, rounded up to 8 rows (sublane multiple).
     return min(requested, -(-length // 8) * 8)
@@ -230,6 +238,7 @@ def ring_attention_shard(
       TypeError: non-float inputs.
     """
     query, key, value = functional._check_qkv(query, key, value)
+    _check_options(scale, is_causal, block_q, block_k)
     dtype = jnp.result_type(query, key, value)
     query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
     *batch, q_len, num_heads, d = query.shape
@@ -241,7 +250,13 @@ def ring_attention_shard(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    ring_size = lax.axis_size(axis_name)
+    try:
+        ring_size = lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not a mesh axis bound here: call ring_attention_shard "
+            "inside jax.shard_map over a mesh with that axis, or use ring_attention(mesh=...)."
+        ) from None
     configs = {}
     for name, causal in (("diagonal", is_causal), ("off_diagonal", False)):
         bq = _tile_length(q_len, block_q or blockwise.DEFAULT_BLOCK_Q)
@@ -322,6 +337,12 @@ def ring_attention(
         errors of :func:`ring_attention_shard`.
     """
     query, key, value = functional._check_qkv(query, key, value)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('seq',))), got "
+            f"{type(mesh).__name__}."
+        )
+    _check_options(scale, is_causal, block_q, block_k)
     for name, axis in (("seq_axis", seq_axis), ("head_axis", head_axis)):
         if axis is not None and axis not in mesh.shape:
             raise ValueError(
