@@ -79,8 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         epilog="Writes to --out: config.json (the settings), metrics.jsonl (per-step loss, "
         "held-out loss), summary.json (the final table), loss.png, attention.png and "
-        "checkpoints/<run>/ (orbax). Exit status: 0 done, 2 bad flags or text file, "
-        "1 other setup errors (platform not available, output folder in use).",
+        "checkpoints/<run>/ (orbax). Ctrl-C stops after the current step and saves a "
+        "checkpoint there (--resume continues; a second Ctrl-C quits at once). Exit status: "
+        "0 done, 2 bad flags or text file, 1 other setup errors (platform not available, "
+        "output folder in use), 3 training diverged (NaN or Inf loss; the last good "
+        "checkpoint is kept), 130 interrupted by Ctrl-C.",
     )
     g = p.add_argument_group("data")
     g.add_argument("--text", metavar="PATH", help="train character-level on this UTF-8 text "
@@ -287,6 +290,7 @@ def main(argv=None) -> int:
 
     from jattn.toy import CopyTask, GPTConfig, TextTask, TrainConfig, run_experiment
     from jattn.toy.experiment import OutputFolderError
+    from jattn.toy.train import TrainingDiverged, TrainingInterrupted
 
     try:
         if args.text is not None:
@@ -317,6 +321,20 @@ def main(argv=None) -> int:
         )  # fmt: skip
     except OutputFolderError as e:  # an occupied --out, or settings unlike the run to resume
         _fail(str(e))
+    except TrainingDiverged as e:
+        sys.stderr.write(f"train_toy.py: error: run {getattr(e, 'run', '?')}: {e}\n")
+        return 3
+    except KeyboardInterrupt as e:  # TrainingInterrupted: the step's checkpoint is written
+        where = (
+            f"run {getattr(e, 'run', '?')} stopped after step {e.step}, checkpoint saved"
+            if isinstance(e, TrainingInterrupted)
+            else "the checkpoints written so far are kept"
+        )
+        sys.stderr.write(
+            f"train_toy.py: interrupted: {where}. Continue with: python train_toy.py <the same "
+            f"flags> --out {args.out} --resume\n"
+        )
+        return 130
     if not primary:  # process 0 writes the files and prints the results
         return 0
     print()

@@ -43,7 +43,15 @@ from jattn.toy.data import stream_key
 from jattn.toy.generate import generation_accuracy
 from jattn.toy.model import GPTConfig, TinyGPT
 from jattn.toy.plots import plot_attention, plot_losses
-from jattn.toy.train import Checkpointer, TrainConfig, init_state, mean_loss, train
+from jattn.toy.train import (
+    Checkpointer,
+    TrainConfig,
+    TrainingDiverged,
+    TrainingInterrupted,
+    init_state,
+    mean_loss,
+    train,
+)
 
 __all__ = [
     "RUNS",
@@ -292,6 +300,12 @@ def run_experiment(
       The summary written to ``summary.json``, or None when ``until`` stopped the runs
       before ``train_config.steps`` (then only checkpoints and metrics are written), and
       on processes other than process 0.
+
+    Raises:
+      jattn.toy.train.TrainingDiverged: a run's loss became NaN or Inf (its last good
+        checkpoint is kept); the exception's ``run`` attribute names the run.
+      jattn.toy.train.TrainingInterrupted: Ctrl-C; the run's state at the step it
+        stopped after is checkpointed, and ``resume=True`` continues from it.
     """
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs or len(set(runs)) != len(runs):
@@ -320,12 +334,17 @@ def run_experiment(
             state, before = ckpt.restore(state)
             echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
         log.truncate(name, int(state.step))
-        state, clock = _train_one(
-            name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
-            before=before, tokens_per_step=tokens_per_step, until=until, progress=progress,
-            mesh=mesh,
-        )  # fmt: skip
-        ckpt.close()
+        try:
+            state, clock = _train_one(
+                name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
+                before=before, tokens_per_step=tokens_per_step, until=until, progress=progress,
+                mesh=mesh,
+            )  # fmt: skip
+        except (TrainingDiverged, TrainingInterrupted) as e:
+            e.run = name  # for the command line's message
+            raise
+        finally:
+            ckpt.close()
         steps = int(state.step)
         if steps < train_config.steps:  # stopped early by `until`: measure when finished
             echo(f"{name}: stopped at step {steps} of {train_config.steps}; resume to finish")
@@ -418,9 +437,11 @@ def _train_one(
     def on_checkpoint(state, timing):
         ckpt.save(state, clock(timing))
 
-    state, timing = train(
-        model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
-        on_checkpoint=on_checkpoint, mesh=mesh,
-    )  # fmt: skip
-    bar.close()
+    try:
+        state, timing = train(
+            model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
+            on_checkpoint=on_checkpoint, mesh=mesh,
+        )  # fmt: skip
+    finally:
+        bar.close()
     return state, clock(timing)

@@ -12,12 +12,27 @@ Reproducibility: everything random comes from the run's seed (see
 :data:`jattn.toy.data.STREAMS`). The batch of step ``s`` is ``task.train_batch(s)`` and
 its dropout key is ``fold_in(dropout_key, s)``, so a run resumed from a checkpoint at
 step ``k`` computes exactly the steps ``k, k+1, ...`` an uninterrupted run would.
+
+Robustness (:func:`train`): a NaN or Inf training loss or gradient norm stops the run with
+:class:`TrainingDiverged` before anything non-finite is checkpointed, so the last
+checkpoint stays good; the first Ctrl-C (SIGINT) finishes the current step, checkpoints it
+and raises :class:`TrainingInterrupted` (a second Ctrl-C interrupts at once). Checkpoints
+are written by orbax into a temporary folder that is renamed when complete, so a process
+killed while saving leaves the previous checkpoint as the latest. For tests, the
+environment variable ``JATTN_TOY_DEBUG_NAN_STEP=n`` makes the parameters NaN just before
+step ``n`` (numbered from 1, as in ``metrics.jsonl``), so that step's loss is NaN.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
+import numbers
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +54,8 @@ __all__ = [
     "Checkpointer",
     "TrainConfig",
     "TrainState",
+    "TrainingDiverged",
+    "TrainingInterrupted",
     "init_state",
     "lr_schedule",
     "make_optimizer",
@@ -87,18 +104,90 @@ class TrainConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", self.steps // 20)
+        for name in ("warmup_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}.")
+        for name in ("learning_rate", "end_lr_fraction", "weight_decay", "clip_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}.")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(
                 f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}."
             )
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate must be > 0 and finite, got {self.learning_rate}.")
         if not 0 <= self.end_lr_fraction <= 1:
             raise ValueError(f"end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}.")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}.")
         if not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}.")
+
+
+class TrainingDiverged(FloatingPointError):
+    """The training loss or gradient norm became NaN or Inf; the run stopped there.
+
+    Nothing after the last finite step was checkpointed. Attributes: ``step`` (the first
+    update with a non-finite metric), ``metrics`` (its record) and ``last_checkpoint``
+    (the step of the last checkpoint written or resumed from, or None).
+    """
+
+    def __init__(self, step: int, metrics: dict, last_checkpoint: int | None):
+        self.step, self.metrics, self.last_checkpoint = step, metrics, last_checkpoint
+        kept = (
+            "no checkpoint was written"
+            if last_checkpoint is None
+            else f"the last checkpoint (step {last_checkpoint}) is kept"
+        )
+        super().__init__(
+            f"training diverged at step {step}: loss {metrics.get('loss')}, gradient norm "
+            f"{metrics.get('grad_norm')}. Stopped; {kept}. Resuming would repeat the same "
+            "steps: start a new run with a lower --lr, more --warmup-steps or a smaller "
+            "--clip-norm."
+        )
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training after update ``step``, whose state was checkpointed."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"training interrupted after step {step}; checkpoint saved there")
+
+
+# Test hook: the parameters become NaN just before this step (numbered from 1, as logged).
+_DEBUG_NAN_STEP = "JATTN_TOY_DEBUG_NAN_STEP"
+
+
+def _debug_nan_step() -> int | None:
+    value = os.environ.get(_DEBUG_NAN_STEP, "")
+    return int(value) if value.strip() else None
+
+
+@contextlib.contextmanager
+def _stop_on_sigint():
+    """Turns the first Ctrl-C into a request (``bool(requested)``) to stop after the step.
+
+    A second Ctrl-C raises KeyboardInterrupt at once. Signal handlers can only be set in
+    the main thread; elsewhere Ctrl-C keeps its usual behaviour.
+    """
+    requested: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 class TrainState(struct.PyTreeNode):
@@ -356,9 +445,17 @@ def train(
       on_eval: called as ``on_eval(step, state)`` every ``cfg.eval_every`` steps and at
         ``cfg.steps``.
       on_checkpoint: called as ``on_checkpoint(state, timing)`` every
-        ``cfg.checkpoint_every`` steps and at ``until``, with the timing so far.
+        ``cfg.checkpoint_every`` steps, at ``until`` and when Ctrl-C stops the run, with
+        the timing so far. Never called with a state whose step had a non-finite metric.
       mesh: the device mesh of ``state`` (default: the 1x1 mesh of the default device);
         each batch is split over its ``data`` axis (:func:`jattn.toy.parallel.shard_batch`).
+
+    Raises:
+      TrainingDiverged: a step's loss or gradient norm is NaN or Inf (found when the
+        metrics are fetched: every ``log_every`` steps and before each evaluation and
+        checkpoint). The records before it are logged; no later checkpoint is written.
+      TrainingInterrupted: Ctrl-C (SIGINT); raised after the current step was logged and
+        checkpointed (a subclass of KeyboardInterrupt).
 
     Returns:
       ``(state, timing)``: the final state, and ``timing`` with ``seconds`` (wall time of
@@ -369,10 +466,12 @@ def train(
     mesh = parallel.default_mesh() if mesh is None else mesh
     train_step = make_train_step(model, cfg, mesh)
     start = int(state.step)
+    last_checkpoint = start if start > 0 else None  # a resumed state came from a checkpoint
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
     first_step_seconds = 0.0
     saving = 0.0  # seconds spent writing checkpoints: not training time
+    nan_step = _debug_nan_step()
 
     def timing(done: int) -> dict:
         return {
@@ -381,28 +480,51 @@ def train(
             "steps": done - start,
         }
 
-    for s in range(start, until):
-        state, metrics = train_step(state, parallel.shard_batch(task.train_batch(s), mesh))
-        done = s + 1
-        if s == start:
-            jax.block_until_ready(metrics)
-            first_step_seconds = time.perf_counter() - t0
-        if on_log is not None:
+    def flush() -> None:
+        """Fetches the pending metrics; stops at the first non-finite one; logs the rest."""
+        host = jax.device_get([m for _, m in pending])
+        records = [
+            {"step": d, **{k: float(v) for k, v in m.items()}}
+            for (d, _), m in zip(pending, host, strict=True)
+        ]
+        pending.clear()
+        bad = next((r for r in records if not all(map(math.isfinite, r.values()))), None)
+        if bad is not None:
+            records = records[: records.index(bad)]
+        if on_log is not None and records:
+            on_log(records)
+        if bad is not None:
+            raise TrainingDiverged(bad["step"], bad, last_checkpoint)
+
+    with _stop_on_sigint() as stop_requested:
+        for s in range(start, until):
+            if s + 1 == nan_step:
+                state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
+            state, metrics = train_step(state, parallel.shard_batch(task.train_batch(s), mesh))
+            done = s + 1
+            if s == start:
+                jax.block_until_ready(metrics)
+                first_step_seconds = time.perf_counter() - t0
             pending.append((done, metrics))
-        if pending and (done % cfg.log_every == 0 or done == until):
-            host = jax.device_get([m for _, m in pending])
-            on_log(
-                [
-                    {"step": d, **{k: float(v) for k, v in m.items()}}
-                    for (d, _), m in zip(pending, host, strict=True)
-                ]
+            stopping = bool(stop_requested)
+            due_eval = on_eval is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
+            due_checkpoint = on_checkpoint is not None and (
+                done % cfg.checkpoint_every == 0 or done == until or stopping
             )
-            pending = []
-        if on_eval is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
-            on_eval(done, state)
-        if on_checkpoint is not None and (done % cfg.checkpoint_every == 0 or done == until):
-            t_save = time.perf_counter()
-            on_checkpoint(state, timing(done))
-            saving += time.perf_counter() - t_save
+            # Every metric is checked before an evaluation or a checkpoint sees the state.
+            if done % cfg.log_every == 0 or done == until or due_eval or due_checkpoint:
+                flush()
+            if due_eval:
+                on_eval(done, state)
+            if due_checkpoint:
+                t_save = time.perf_counter()
+                on_checkpoint(state, timing(done))
+                saving += time.perf_counter() - t_save
+                last_checkpoint = done
+            if stopping:
+                if pending:
+                    flush()
+                jax.block_until_ready(state)
+                raise TrainingInterrupted(done)
     jax.block_until_ready(state)
     return state, timing(max(start, until))
