@@ -150,10 +150,11 @@ class BookLoop:
 # ----------------------------------------------------------------------------------------
 
 
-def _timed(fn) -> tuple[float, np.ndarray]:
-    start = time.perf_counter()
+def _timed(fn) -> tuple[float, float, np.ndarray]:
+    """Runs ``fn``; returns its wall-clock seconds, the process's CPU seconds, the output."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     out = jax.block_until_ready(fn())
-    return time.perf_counter() - start, np.asarray(out)
+    return time.perf_counter() - start, time.process_time() - start_cpu, np.asarray(out)
 
 
 def _compiled_call(fn, *args) -> tuple[float, object]:
@@ -215,7 +216,7 @@ def bench_model(
     order = list(dict.fromkeys(order))  # the toy's two capacities coincide
     baselines = ("book", "fixed")
 
-    times, outputs, seen = {k: [] for k in order}, {}, set()
+    times, cpu, outputs, seen = {k: [] for k in order}, {k: [] for k in order}, {}, set()
 
     def done(k):  # one long run is enough for a recompute baseline
         long = k in baselines and times[k] and times[k][-1] > long_run_s
@@ -230,20 +231,26 @@ def bench_model(
         for k in order:
             if done(k):
                 continue
-            t, outputs[k] = _timed(runs[k])
+            t, t_cpu, outputs[k] = _timed(runs[k])
             # A baseline's first run is a warm-up unless it is long: a one-time start cost
             # of a few milliseconds is nothing against it, and a second run takes minutes.
             warm_up = k in baselines and k not in seen and t <= long_run_s
             seen.add(k)
             if not warm_up:
                 times[k].append(t)
-            print(f"  {name} {k} round {r}{' (warm-up)' if warm_up else ''}: {t:.3f} s", flush=True)
+                cpu[k].append(t_cpu)
+            print(
+                f"  {name} {k} round {r}{' (warm-up)' if warm_up else ''}: {t:.3f} s "
+                f"(CPU {t_cpu:.3f} s)",
+                flush=True,
+            )
     reference = outputs[order[0]]
     for k in order[1:]:
         if not np.array_equal(outputs[k], reference):
             raise SystemExit(f"{name}: '{k}' and '{order[0]}' generated different tokens.")
 
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     speedups = {}
     for cap in capacities:
         c = times[f"cached {cap}"]
@@ -252,6 +259,7 @@ def bench_model(
                 med[b] / med[f"cached {cap}"],
                 min(times[b]) / max(c),
                 max(times[b]) / min(c),
+                med_cpu[b] / med_cpu[f"cached {cap}"],
             )
     return {
         "model": name,
@@ -262,6 +270,7 @@ def bench_model(
         "tok_s": {k: new_tokens / v for k, v in med.items()},
         "tok_s_range": {k: (new_tokens / max(v), new_tokens / min(v)) for k, v in times.items()},
         "runs": {k: len(v) for k, v in times.items()},
+        "cpu_ms_per_token": {k: 1e3 * v / new_tokens for k, v in med_cpu.items()},
         "compile_s": compile_s,
         "buckets": book.buckets,
         "speedups": speedups,
@@ -285,9 +294,17 @@ def _rate(row, k) -> str:
 
 
 def _speedup(row, cap, baseline, bold) -> str:
-    mid, lo, hi = row["speedups"][(cap, baseline)]
+    mid, lo, hi, _ = row["speedups"][(cap, baseline)]
     text = f"{mid:.1f}x"
     return f"**{text}** ({lo:.1f}-{hi:.1f})" if bold else f"{text} ({lo:.1f}-{hi:.1f})"
+
+
+def _describe(row) -> str:
+    c = row["config"]
+    return (
+        f"{row['model']} ({c.num_layers} layers, {c.d_model} wide, {c.num_heads} heads, "
+        f"context {c.context_length}, vocab {c.vocab_size})"
+    )
 
 
 def to_markdown(rows, args, command: str) -> str:
@@ -298,36 +315,48 @@ def to_markdown(rows, args, command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {jax.default_backend()} "
-        f"({os.cpu_count()} cores, {cpu}), jax {jax.__version__}. Batch 1, float32, prompt of "
-        f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy: every generator gives "
-        "identical tokens (checked on each run).",
+        f"({os.cpu_count()} cores, {cpu}, shared with other jobs), jax {jax.__version__}. Batch "
+        f"1, float32, prompt of {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy: "
+        "every generator gives identical tokens (checked on each run).",
         "",
-        "Tokens/s: median (min-max over runs) [number of runs]. Speed-up: ratio of medians "
-        "(range: slowest baseline run / fastest cached run, and the reverse). The headline "
-        "(bold) is the cached generator with a run-sized cache against the book's loop. "
-        "Compile times are measured apart and excluded from tokens/s.",
+        "Tokens/s (wall clock): median (min-max over runs) [number of runs]. Speed-up: ratio of "
+        "medians (range: slowest baseline run / fastest cached run, and the reverse). The "
+        "headline (bold) is the cached generator with a run-sized KV cache against the book's "
+        "loop. Compile times are measured apart and excluded from tokens/s.",
         "",
         "| model | params | KV cache | cached tok/s | book loop tok/s | fixed window tok/s "
         "| speed-up vs book loop | speed-up vs fixed window | compile cached / book / fixed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        c = r["config"]
-        desc = (
-            f"{r['model']} ({c.num_layers} layers, {c.d_model} wide, {c.num_heads} heads, "
-            f"context {c.context_length}, vocab {c.vocab_size})"
-        )
         for cap in r["capacities"]:
             k = f"cached {cap}"
             head = cap == r["headline_capacity"]
             cs = r["compile_s"]
             lines.append(
-                f"| {desc} | {r['params'] / 1e6:.2f}M | {cap} | {_rate(r, k)} | "
+                f"| {_describe(r)} | {r['params'] / 1e6:.2f}M | {cap} | {_rate(r, k)} | "
                 f"{_rate(r, 'book')} | {_rate(r, 'fixed')} | {_speedup(r, cap, 'book', head)} | "
                 f"{_speedup(r, cap, 'fixed', False)} | {cs[k]:.1f} s / {cs['book']:.1f} s "
                 f"({len(r['buckets'])} buckets) / {cs['fixed']:.1f} s |"
             )
-    buckets = ", ".join(str(b) for b in rows[0]["buckets"]) if rows else ""
+    lines += [
+        "",
+        "The same runs in CPU time of this process (all its threads; median per token), which "
+        "other jobs on the shared cores disturb less than the wall clock:",
+        "",
+        "| model | KV cache | cached CPU ms/token | book loop CPU ms/token "
+        "| fixed window CPU ms/token | speed-up vs book loop | speed-up vs fixed window |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = r["cpu_ms_per_token"]
+        for cap in r["capacities"]:
+            lines.append(
+                f"| {r['model']} | {cap} | {_num(ms[f'cached {cap}'])} | {_num(ms['book'])} | "
+                f"{_num(ms['fixed'])} | {r['speedups'][(cap, 'book')][3]:.1f}x | "
+                f"{r['speedups'][(cap, 'fixed')][3]:.1f}x |"
+            )
+    buckets = "; ".join(f"{r['model']}: {', '.join(map(str, r['buckets']))}" for r in rows)
     lines += [
         "",
         "* **cached**: `jattn.generate.generate`, prefill then one token per step through the KV "
@@ -338,12 +367,22 @@ def to_markdown(rows, args, command: str) -> str:
         "* **book loop**: chapter 4's `generate_text_simple` ported to JAX as a user would: a "
         "Python loop feeding the growing sequence to a jitted forward pass, argmax at the last "
         "real position. The sequence is right-padded to power-of-two buckets capped at the "
-        f"context ({buckets} for {rows[0]['model'] if rows else ''}), so it compiles once per "
-        "bucket and runs over at most twice the real length; the tokens stay on the device.",
+        f"context ({buckets}), so it compiles once per bucket and runs over at most twice the "
+        "real length; the tokens stay on the device.",
         "* **fixed window**: `jattn.generate.generate_recompute`, a full forward pass over "
         "prompt + new tokens - 1 positions for every token, in one jitted loop.",
-        "",
     ]
+    for r in rows:
+        mb = 4 * r["params"] / 1e6
+        k = f"cached {r['headline_capacity']}"
+        if mb < 64:  # a model that fits the CPU caches is not bound by reading its weights
+            continue
+        lines.append(
+            f"* {r['model']}: each cached step reads all {r['params'] / 1e6:.2f}M float32 "
+            f"parameters ({mb:.0f} MB); at {_num(r['tok_s'][k])} tok/s that is "
+            f"{mb * r['tok_s'][k] / 1e3:.1f} GB/s."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
