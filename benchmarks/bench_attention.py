@@ -1,6 +1,6 @@
 """Side-by-side attention benchmark: jattn (dense and blockwise) against its peers.
 
-One process, interleaved rounds: every round runs each candidate once (in a rotating
+One process, interleaved rounds: every round runs each candidate once (in a random
 order), so load from other processes hits all of them alike; times are medians over
 rounds and each ratio is the median of the per-round ratios. Compile time (lower +
 compile) is reported separately and never counted in a run time. Memory is the compiled
@@ -36,6 +36,7 @@ import functools
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -103,10 +104,15 @@ def memory_only(fn: Callable, *args) -> int | None:
 
 
 def interleave(candidates: list[Candidate], rounds: int) -> None:
-    """Runs every candidate once per round, rotating the order, and records the times."""
-    for r in range(rounds):
-        shift = r % len(candidates)
-        for cand in candidates[shift:] + candidates[:shift]:
+    """Runs every candidate once per round, in a fresh random order, and records the times.
+
+    A random order per round (fixed seed) means no candidate always runs right after the
+    same neighbour (a rotation keeps neighbours: whatever follows PyTorch would always pay
+    for its worker threads winding down).
+    """
+    order = random.Random(0)
+    for _ in range(rounds):
+        for cand in order.sample(candidates, len(candidates)):
             start = time.perf_counter()
             cand.run()
             cand.times.append(time.perf_counter() - start)
@@ -582,60 +588,8 @@ def environment() -> str:
 # ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke test")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
-    p.add_argument("--lengths", default=None, help="core sequence lengths, comma-separated")
-    p.add_argument(
-        "--dense-max-len",
-        type=int,
-        default=4096,
-        help="time the dense peers up to this T (memory is still compiled beyond)",
-    )
-    p.add_argument("--long-len", type=int, default=None, help="blockwise-only long run T")
-    p.add_argument("--skip-module", action="store_true")
-    p.add_argument("--skip-dropout", action="store_true")
-    p.add_argument("--out", default=os.path.join(HERE, "results.md"))
-    p.add_argument("--png", default=None, help="plot path (default: --out with .png)")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    quick = args.quick
-    rounds = args.rounds or (2 if quick else 5)
-    lengths = (
-        [int(x) for x in args.lengths.split(",")]
-        if args.lengths
-        else ([64, 128] if quick else [256, 512, 1024, 2048, 4096, 8192])
-    )
-    long_len = args.long_len or (256 if quick else 32768)
-    core_dims = dict(batch=1, heads=2 if quick else 8, head_dim=16 if quick else 64)
-    mod = dict(b=1, t=64, c=32, h=2) if quick else dict(b=4, t=1024, c=768, h=12)
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    if torch is not None:
-        torch.set_num_threads(os.cpu_count() or 1)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    command = "python benchmarks/bench_attention.py" + (
-        " " + " ".join(argv if argv is not None else sys.argv[1:])
-        if (argv if argv is not None else sys.argv[1:])
-        else ""
-    )
-    lines = [
-        "# Attention benchmark",
-        "",
-        f"Command: `{command}`  ",
-        f"Environment: {environment()}  ",
-        f"Rounds: {rounds} interleaved (median times; ratios are medians of per-round ratios). "
-        "All causal, float32. Compile time is excluded from run times and listed apart; "
-        "memory is the compiled temporary buffer size (`memory_analysis().temp_size_in_bytes`).",
-        "",
-    ]
-
+def core_section(args, *, lengths, rounds, quick, long_len, core_dims, log):
+    """Core timings, memory, long run and accuracy: ``(markdown, goals, results, memory)``."""
     goals: list[Goal] = []
     body: list[str] = []
     results, memory = bench_core(
@@ -702,13 +656,93 @@ def main(argv=None) -> int:
         )
     )
 
+    return body, goals, results, memory
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke test")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
+    p.add_argument("--lengths", default=None, help="core sequence lengths, comma-separated")
+    p.add_argument(
+        "--dense-max-len",
+        type=int,
+        default=4096,
+        help="time the dense peers up to this T (memory is still compiled beyond)",
+    )
+    p.add_argument("--long-len", type=int, default=None, help="blockwise-only long run T")
+    p.add_argument(
+        "--module-rounds",
+        type=int,
+        default=None,
+        help="rounds for the module section (default: max(rounds, 9); its ratios are close calls)",
+    )
+    p.add_argument("--skip-core", action="store_true", help="no core / long / accuracy section")
+    p.add_argument("--skip-module", action="store_true")
+    p.add_argument("--skip-dropout", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "results.md"))
+    p.add_argument("--png", default=None, help="plot path (default: --out with .png)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    quick = args.quick
+    rounds = args.rounds or (2 if quick else 5)
+    lengths = (
+        [int(x) for x in args.lengths.split(",")]
+        if args.lengths
+        else ([64, 128] if quick else [256, 512, 1024, 2048, 4096, 8192])
+    )
+    long_len = args.long_len or (256 if quick else 32768)
+    core_dims = dict(batch=1, heads=2 if quick else 8, head_dim=16 if quick else 64)
+    mod = dict(b=1, t=64, c=32, h=2) if quick else dict(b=4, t=1024, c=768, h=12)
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    if torch is not None:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    command = "python benchmarks/bench_attention.py" + (
+        " " + " ".join(argv if argv is not None else sys.argv[1:])
+        if (argv if argv is not None else sys.argv[1:])
+        else ""
+    )
+    lines = [
+        "# Attention benchmark",
+        "",
+        f"Command: `{command}`  ",
+        f"Environment: {environment()}  ",
+        f"Rounds: {rounds} interleaved (median times; ratios are medians of per-round ratios). "
+        "All causal, float32. Compile time is excluded from run times and listed apart; "
+        "memory is the compiled temporary buffer size (`memory_analysis().temp_size_in_bytes`).",
+        "",
+    ]
+
+    goals: list[Goal] = []
+    body: list[str] = []
+    results = memory = None
+    if not args.skip_core:
+        body, goals, results, memory = core_section(
+            args,
+            lengths=lengths,
+            rounds=rounds,
+            quick=quick,
+            long_len=long_len,
+            core_dims=core_dims,
+            log=log,
+        )
+
     if not args.skip_module:
         body += [
             f"## Module: B={mod['b']}, T={mod['t']}, C={mod['c']}, H={mod['h']} "
             "(projections + causal attention)",
             "",
         ]
-        module_results = bench_module(rounds=rounds, log=log, **mod)
+        module_rounds = args.module_rounds or (rounds if quick else max(rounds, 9))
+        body[-1:] = [f"Rounds: {module_rounds}.", ""]
+        module_results = bench_module(rounds=module_rounds, log=log, **mod)
         body += module_report(module_results)
         by = {c.name: c for c in module_results["fwd+bwd"]}
         ours = by["jattn.linen MHA"]
@@ -755,8 +789,9 @@ def main(argv=None) -> int:
         ]
         log("train steps: " + ", ".join(f"{r[0]} {r[3]}" for r in rows))
 
-    plot(results, memory, lengths, png)
-    body += [f"![core timings and memory]({os.path.basename(png)})", ""]
+    if results is not None:
+        plot(results, memory, lengths, png)
+        body += [f"![core timings and memory]({os.path.basename(png)})", ""]
     with open(args.out, "w") as f:
         # --quick sizes are not the goals' sizes: no goal table then.
         f.write("\n".join(lines + ([] if quick else goals_report(goals)) + body))
