@@ -5,7 +5,12 @@ sum ``l`` (Rabe & Staats 2021; Dao et al. 2022), so the ``[q_len, kv_len]`` scor
 matrix never exists; only one ``[block_q, block_k]`` tile per (batch, head) does.
 A tile that the masks remove entirely is never computed: each query block visits
 only the key blocks its causal / sliding-window / length / segment / explicit masks
-leave visible, and only tiles that are partly masked pay for an elementwise mask.
+leave visible. With causal, window and length masks the visited tiles of a row are a
+run of boundary tiles, a run of fully visible tiles and a run of boundary tiles, and
+only the boundary tiles pay for an elementwise mask; with segment ids or a mask array
+(whose visible tiles need not be contiguous) each tile in the row's range is skipped or
+masked one by one. The batch shares one loop, so a tile is skipped when it is hidden
+for every batch element.
 
 The backward pass is FlashAttention-2's: it keeps only the output and the per-row
 log-sum-exp ``lse = m + log(l)`` from the forward pass and recomputes each tile's
