@@ -245,7 +245,9 @@ def _mask_spec(
             raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}.")
         limit = q_len if field == "q_lengths" else kv_len
         if not isinstance(lengths, jax.core.Tracer) and lengths.size:
-            low, high = int(lengths.min()), int(lengths.max())
+            # numpy: under jit a concrete (closed-over) array's jnp.min would be traced.
+            values = np.asarray(lengths)
+            low, high = int(values.min()), int(values.max())
             if low < 0 or high > limit:
                 raise ValueError(
                     f"{name} must be in [0, {limit}] (the padded length), got values from {low} "

@@ -145,9 +145,10 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
         )
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token per row (prompt_len >= 1).")
-    if not isinstance(prompt, jax.core.Tracer) and prompt.size and int(prompt.min()) < 0:
+    smallest = None if isinstance(prompt, jax.core.Tracer) else np.asarray(prompt).min(initial=0)
+    if smallest is not None and smallest < 0:
         raise ValueError(
-            f"prompt holds negative token ids (smallest {int(prompt.min())}); token ids are in "
+            f"prompt holds negative token ids (smallest {int(smallest)}); token ids are in "
             "[0, vocab_size)."
         )
     masks_lib._check_size(max_new_tokens, "max_new_tokens")

@@ -23,6 +23,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.linen import MultiHeadAttention
 from jattn.toy.parallel import MODEL_AXIS
@@ -157,7 +158,9 @@ class TinyGPT(nn.Module):
                 f"{tokens_BxT.shape}."
             )
         if not isinstance(tokens_BxT, jax.core.Tracer) and tokens_BxT.size:
-            low, high = int(tokens_BxT.min()), int(tokens_BxT.max())
+            # numpy: under jit a concrete (closed-over) array's jnp.min would be traced.
+            ids = np.asarray(tokens_BxT)
+            low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= cfg.vocab_size:  # an embedding lookup would give NaN
                 raise ValueError(
                     f"TinyGPT got token ids from {low} to {high}, outside [0, vocab_size = "
