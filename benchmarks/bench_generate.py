@@ -62,6 +62,22 @@ import numpy as np
 from jattn import generate as gen
 from jattn.toy.model import GPTConfig, TinyGPT
 
+# How to read the tables; true of any run, so it is written with every table.
+READING = [
+    "Reading the numbers:",
+    "",
+    "* The machine is shared: a long baseline run (the GPT-2-sized ones run once, for "
+    "minutes) can meet more or less load from other jobs than the cached runs around it, so "
+    "the wall-clock and CPU-time speed-ups can differ; quote the lower of the two.",
+    "* Batch-1 cached decoding of the GPT-2-sized model is bound by memory traffic, not "
+    "arithmetic: every token reads each float32 weight once (a bullet above gives the "
+    "implied bandwidth). Smaller weights (bfloat16) or a larger batch would raise tokens/s; "
+    "neither is measured here.",
+    "* Every cached step works over the cache's whole capacity, filled or not, so a cache "
+    "sized to the run is faster than one sized to the full context (compare the two "
+    "GPT-2-sized rows).",
+]
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_results.md")
 
 
@@ -382,7 +398,7 @@ def to_markdown(rows, args, command: str) -> str:
             f"parameters ({mb:.0f} MB); at {_num(r['tok_s'][k])} tok/s that is "
             f"{mb * r['tok_s'][k] / 1e3:.1f} GB/s."
         )
-    lines.append("")
+    lines += ["", *READING, ""]
     return "\n".join(lines)
 
 
