@@ -163,6 +163,12 @@ class _Dropout(_Projections):
     def _attend(self, x, queries, keys, values, *, num_kv_heads=1, num_new=None, **kwargs):
         """``mu.attend``; in decode mode through (and updating) the ``cache`` variable ``kv``."""
         initialized = self.decode and self.has_variable("cache", "kv")
+        if self.decode and not (self.is_initializing() or self.is_mutable_collection("cache")):
+            raise ValueError(
+                f"{type(self).__name__}: decode=True reads and extends the 'cache' collection; "
+                "call apply({'params': params, 'cache': cache}, x, mutable=['cache']) with the "
+                "cache from init (or use the module without decode=True)."
+            )
         if self.decode:
             # Sized by the input, flax's convention: init with x [batch..., capacity, d_in].
             cache = self.variable(

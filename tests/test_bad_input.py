@@ -72,6 +72,11 @@ def linen_call(x=X, **kwargs):
     return lambda: module.apply(variables, x, **{"deterministic": True} | kwargs)
 
 
+def linen_decoder():
+    module = jl.MultiHeadAttention(8, 4, 0.0, 2, decode=True)
+    return module, module.init(KEY, X)
+
+
 def linen_decode_overflow():
     module = jl.MultiHeadAttention(8, 4, 0.0, 2, decode=True)
     variables = module.init(KEY, X)  # a cache of capacity 4
@@ -282,6 +287,8 @@ CASES = [
     Case("linen.MultiHeadAttention", "mask that does not broadcast", V, "does not broadcast to the attention logits shape", linen_call(mask=jnp.ones((3, 3), bool))),
     Case("linen.MultiHeadAttention", "num_new outside decode mode", V, "only used in decode mode", linen_call(num_new=jnp.array([1, 2]))),
     Case("linen.MultiHeadAttention", "decode=True, cache overflow", V, "KV cache overflow", linen_decode_overflow),
+    Case("linen.MultiHeadAttention", "decode=True without mutable=['cache']", V, "mutable=['cache']) with the cache from init", lambda: linen_decoder()[0].apply(linen_decoder()[1], X[:, :1])),
+    Case("linen.MultiHeadAttention", "decode=True, params only, cache not mutable", V, "decode=True reads and extends the 'cache' collection", lambda: linen_decoder()[0].apply({"params": linen_decoder()[1]["params"]}, X[:, :1])),
     Case("linen.MultiHeadAttention", "broadcast_dropout='x'", V, "broadcast_dropout must be True, False", lambda: jl.MultiHeadAttention(8, 4, 0.1, 2, broadcast_dropout="x").init(KEY, X, deterministic=False, dropout_rng=KEY)),
     Case("linen.CausalAttention", "dropout=-0.1", V, "CausalAttention: dropout must be in [0, 1)", lambda: jl.CausalAttention(4, 4, -0.1)),
     Case("linen.MultiHeadAttentionWrapper", "num_heads=0", V, "MultiHeadAttentionWrapper: num_heads must be >= 1", lambda: jl.MultiHeadAttentionWrapper(4, 4, 0.0, 0)),
