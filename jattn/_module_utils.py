@@ -87,16 +87,23 @@ def check_config(
     return num_kv_heads
 
 
-def check_numerics(cls_name: str, dtype, param_dtype) -> None:
-    """Validates ``dtype`` (None or floating) and ``param_dtype`` (floating).
+def check_numerics(cls_name: str, dtype, param_dtype, attention_implementation=None) -> None:
+    """Validates ``dtype`` (None or floating), ``param_dtype`` (floating) and
+    ``attention_implementation`` (None, ``'dense'`` or ``'blockwise'``).
 
     Raises:
       TypeError: a dtype that is not floating (or not a dtype).
-      ValueError: float64 while ``jax_enable_x64`` is off.
+      ValueError: float64 while ``jax_enable_x64`` is off; an unknown implementation.
     """
     if dtype is not None:
         masks._check_float_dtype(dtype, f"{cls_name}: dtype")
     masks._check_float_dtype(param_dtype, f"{cls_name}: param_dtype")
+    if attention_implementation not in (None, "dense", "blockwise"):
+        raise ValueError(
+            f"{cls_name}: attention_implementation must be None (automatic), 'dense' or "
+            f"'blockwise', got {attention_implementation!r}. Use 'dense' for forward-mode "
+            "autodiff (jax.jvp, jax.jacfwd), which the blockwise path does not support."
+        )
 
 
 def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):
@@ -290,9 +297,9 @@ def attend(
     """Projected features in, attended features out: the modules' one call into the core.
 
     The module's settings are read from its attributes, which the Linen and NNX classes
-    name alike: ``dtype``, ``precision`` and, on the classes with a mask and dropout,
-    ``causal``, ``dropout`` and ``broadcast_dropout`` (the book's self-attention classes
-    have none of them: no mask, no dropout).
+    name alike: ``dtype``, ``precision``, ``attention_implementation`` and, on the classes
+    with a mask and dropout, ``causal``, ``dropout`` and ``broadcast_dropout`` (the book's
+    self-attention classes have none of them: no mask, no dropout).
 
     Args:
       module: the calling Linen or NNX module.
@@ -328,6 +335,7 @@ def attend(
         precision=module.precision,
         module=module if sow_weights else None,
         return_weights=return_weights,
+        implementation=module.attention_implementation,
     )
     causal = getattr(module, "causal", False)
     if cache is None and num_new is not None:

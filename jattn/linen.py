@@ -48,6 +48,10 @@ Conventions shared by every class:
   everything cached, causally per row. ``num_new=[batch...]`` says how many tokens of each
   row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
   ValueError in eager calls; under jit see :mod:`jattn.kvcache`.
+* ``attention_implementation`` (every class): the core's ``implementation``. The default
+  (None) picks the blockwise path on CPU from 256 tokens; it has a custom VJP, so
+  forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) of a module needs
+  ``attention_implementation='dense'``.
 """
 
 from __future__ import annotations
@@ -96,9 +100,15 @@ class _Projections(nn.Module):
     """Initializer of every kernel (``[d_in, d_out]``)."""
     bias_init: Initializer = default_bias_init
     """Initializer of every bias."""
+    attention_implementation: str | None = None
+    """``implementation`` of :func:`jattn.dot_product_attention`: None (automatic),
+    ``'dense'`` (needed for forward-mode autodiff, ``jax.jvp``/``jax.jacfwd``, at lengths
+    where the automatic rule picks blockwise) or ``'blockwise'``."""
 
     def __post_init__(self):
-        mu.check_numerics(type(self).__name__, self.dtype, self.param_dtype)
+        mu.check_numerics(
+            type(self).__name__, self.dtype, self.param_dtype, self.attention_implementation
+        )
         super().__post_init__()
 
     def _check_params(self, x: Array) -> None:
@@ -399,6 +409,7 @@ class MultiHeadAttentionWrapper(_Dropout):
                 precision=self.precision,
                 kernel_init=self.kernel_init,
                 bias_init=self.bias_init,
+                attention_implementation=self.attention_implementation,
             )
             for _ in range(self.num_heads)
         ]

@@ -46,6 +46,9 @@ Conventions shared by every class:
   causally per row. ``num_new=[batch...]`` says how many tokens of each row of the chunk
   are real (ragged prompts, right-padded). Overflowing the capacity is a ValueError in
   eager calls; under jit see :mod:`jattn.kvcache`.
+* ``attention_implementation=`` (every class): the core's ``implementation``. The default
+  (None) picks the blockwise path on CPU from 256 tokens; it has a custom VJP, so
+  forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) of a module needs ``'dense'``.
 """
 
 from __future__ import annotations
@@ -82,9 +85,9 @@ v1_kernel_init = nnx.initializers.uniform(1.0)
 class _Attention(nnx.Module):
     """What every class keeps: numerics, and a way to build its projections."""
 
-    def _init_numerics(self, *, dtype, param_dtype, precision, rngs) -> None:
+    def _init_numerics(self, dtype, param_dtype, precision, attention_implementation, rngs) -> None:
         name = type(self).__name__
-        mu.check_numerics(name, dtype, param_dtype)
+        mu.check_numerics(name, dtype, param_dtype, attention_implementation)
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(
                 f"{name}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0), or "
@@ -93,6 +96,7 @@ class _Attention(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
+        self.attention_implementation = attention_implementation
 
     def _linear(self, d_in, features, use_bias, kernel_init, bias_init, rngs) -> nnx.Linear:
         return nnx.Linear(
@@ -228,6 +232,8 @@ class SelfAttentionV1(_Attention):
       dtype: computation dtype; None: inferred from inputs and parameters.
       param_dtype: parameter dtype.
       precision: ``jax.lax.Precision`` of the matmuls.
+      attention_implementation: ``implementation`` of :func:`jattn.dot_product_attention`
+        (None: automatic; ``'dense'`` for forward-mode autodiff at long lengths).
       kernel_init: default ``uniform(1.0)``, i.e. U[0, 1) as the book's ``torch.rand``.
       rngs: ``nnx.Rngs`` for the initialization (its ``params`` stream).
     """
@@ -240,12 +246,13 @@ class SelfAttentionV1(_Attention):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = None,
+        attention_implementation: str | None = None,
         kernel_init: Initializer = v1_kernel_init,
         rngs: nnx.Rngs,
     ):
         mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
         self.d_in, self.d_out = d_in, d_out
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
         shape = (d_in, d_out)
         self.W_query = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
         self.W_key = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
@@ -276,6 +283,7 @@ class SelfAttentionV2(_Attention):
       d_out: width of queries, keys, values and the output.
       qkv_bias: add a bias to the three projections.
       dtype, param_dtype, precision, kernel_init, bias_init: as ``nnx.Linear``.
+      attention_implementation: as :class:`SelfAttentionV1`.
       rngs: ``nnx.Rngs`` for the initialization.
     """
 
@@ -288,13 +296,14 @@ class SelfAttentionV2(_Attention):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = None,
+        attention_implementation: str | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ):
         mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
         self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
 
     def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
@@ -324,6 +333,7 @@ class CausalAttention(_DropoutAttention):
       broadcast_dropout: axes sharing one dropout mask: False (independent, as the book),
         True, ``'batch'`` or ``'heads'``.
       dtype, param_dtype, precision, kernel_init, bias_init: as ``nnx.Linear``.
+      attention_implementation: as :class:`SelfAttentionV1`.
       keep_rngs: keep a dropout stream forked from ``rngs`` (see the module docstring).
       rngs: ``nnx.Rngs`` for the initialization (and the dropout stream).
     """
@@ -342,6 +352,7 @@ class CausalAttention(_DropoutAttention):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = None,
+        attention_implementation: str | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         keep_rngs: bool = True,
@@ -356,7 +367,7 @@ class CausalAttention(_DropoutAttention):
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length = context_length
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
         self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
         self._init_dropout(
             dropout=float(dropout),
@@ -440,6 +451,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = None,
+        attention_implementation: str | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         keep_rngs: bool = True,
@@ -456,7 +468,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length, self.num_heads = context_length, num_heads
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
         # The heads keep the dropout streams; the wrapper keeps only the mode flags.
         self._init_dropout(
             dropout=float(dropout),
@@ -479,6 +491,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
                 dtype=dtype,
                 param_dtype=param_dtype,
                 precision=precision,
+                attention_implementation=attention_implementation,
                 kernel_init=kernel_init,
                 bias_init=bias_init,
                 keep_rngs=keep_rngs,
@@ -579,6 +592,7 @@ class MultiHeadAttention(_DropoutAttention):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = None,
+        attention_implementation: str | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         keep_rngs: bool = True,
@@ -600,7 +614,7 @@ class MultiHeadAttention(_DropoutAttention):
             num_kv_heads,
         )
         self.head_dim = d_out // num_heads
-        self._init_numerics(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
         self.model_axis = model_axis
         tp = functools.partial(mu.tensor_parallel_inits, nnx.with_partitioning)
         self._init_qkv(

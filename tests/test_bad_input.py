@@ -275,6 +275,7 @@ CASES = [
     Case("linen.MultiHeadAttention", "num_kv_heads not dividing num_heads", V, "must be a multiple of num_kv_heads", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, num_kv_heads=3)),
     Case("linen.MultiHeadAttention", "dtype=jnp.int32", T, "MultiHeadAttention: dtype must be a floating dtype", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, dtype=jnp.int32)),
     Case("linen.MultiHeadAttention", "param_dtype=float64 with jax_enable_x64 off", V, "param_dtype=float64 needs 64-bit mode", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, param_dtype=jnp.float64)),
+    Case("linen.MultiHeadAttention", "attention_implementation='flash'", V, "attention_implementation must be None (automatic), 'dense' or 'blockwise'", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, attention_implementation="flash")),
     Case("linen.MultiHeadAttention", "model_axis=3", T, "model_axis must be the name of a mesh axis", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, model_axis=3).init(KEY, X)),
     Case("linen.MultiHeadAttention", "more tokens than context_length", V, "but context_length is 4. Truncate the input", linen_call(jnp.ones((2, 5, 6)))),
     Case("linen.MultiHeadAttention", "int x (token ids)", T, "Token ids must go through an embedding first", linen_call(jnp.ones((2, 4), int))),
@@ -296,6 +297,7 @@ CASES = [
     Case("linen.SelfAttentionV2", "int x", T, "SelfAttentionV2: x must be a float array", lambda: jl.SelfAttentionV2(2).init(KEY, jnp.ones((3, 3), int))),
     # NNX modules
     Case("nnx.MultiHeadAttention", "d_in=0", V, "MultiHeadAttention: d_in must be >= 1", lambda: jn.MultiHeadAttention(0, 8, 4, 0.0, 2, rngs=nnx.Rngs(0))),
+    Case("nnx.MultiHeadAttention", "attention_implementation='flash'", V, "attention_implementation must be None (automatic), 'dense' or 'blockwise'", lambda: jn.MultiHeadAttention(6, 8, 4, 0.0, 2, attention_implementation="flash", rngs=nnx.Rngs(0))),
     Case("nnx.MultiHeadAttention", "rngs=0 (not an nnx.Rngs)", T, "rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0)", lambda: jn.MultiHeadAttention(6, 8, 4, 0.0, 2, rngs=0)),
     Case("nnx.MultiHeadAttention", "x of another width than d_in", V, "x must have d_in = 6 features", lambda: nnx_mha()(jnp.ones((2, 4, 5)), deterministic=True)),
     Case("nnx.MultiHeadAttention", "more tokens than context_length", V, "but context_length is 4", lambda: nnx_mha()(jnp.ones((2, 5, 6)), deterministic=True)),
