@@ -14,6 +14,25 @@ settings.register_profile("ci", derandomize=True, deadline=None, max_examples=25
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+def pytest_report_header(config):
+    """The versions this run tests (README, "Versions tested"), at the top of the log."""
+    import sys
+    from importlib import metadata
+
+    def installed(name):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    names = ("jax", "jaxlib", "flax", "optax", "chex", "orbax-checkpoint", "numpy", "torch")
+    found = ", ".join(installed(n) for n in names)
+    return (
+        f"jattn versions: Python {sys.version.split()[0]}, {found}; backend {jax.default_backend()}"
+    )
+
+
 # The book's running example: "Your journey starts with one step", 3-d embeddings.
 BOOK_INPUTS = book.INPUTS
 BOOK_TOKENS = list(book.TOKENS)
