@@ -241,8 +241,8 @@ def _loss(value: float) -> str:
 
 def _table(summary: dict) -> str:
     floor = summary["entropy_floor"]
-    cols = ["run", "train_loss", "eval_loss", "floor", "future_leak", "gen_acc", "steps",
-            "seconds", "tok/s"]  # fmt: skip
+    cols = ["run", "train_loss", "eval_loss", "floor", "future_leak", "gen_acc", "gen_cached",
+            "steps", "seconds", "tok/s"]  # fmt: skip
     rows = [
         [
             name,
@@ -251,6 +251,7 @@ def _table(summary: dict) -> str:
             "-" if floor is None else _loss(floor),
             "0.0" if r["future_leak"] == 0 else f"{r['future_leak']:.3g}",
             f"{r['generation_accuracy']:.3f}",
+            f"{r['cached_generation_accuracy']:.3f}",
             str(r["steps"]),
             f"{r['seconds']:.1f}",
             f"{r['tokens_per_second']:,.0f}",

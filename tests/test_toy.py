@@ -105,6 +105,7 @@ def test_cli_run_outputs(cli_run):
         "eval_loss": float,
         "future_leak": float,
         "generation_accuracy": float,
+        "cached_generation_accuracy": float,
         "steps": int,
         "seconds": float,
         "tokens_per_second": float,
@@ -116,6 +117,9 @@ def test_cli_run_outputs(cli_run):
     # The causal model cannot see the future at all; the leaky one does.
     assert summary["runs"]["causal"]["future_leak"] == 0.0
     assert summary["runs"]["leaky"]["future_leak"] > 1e-3
+    # A causal model generates the same tokens with and without the KV cache.
+    causal = summary["runs"]["causal"]
+    assert causal["cached_generation_accuracy"] == causal["generation_accuracy"]
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for name in ("causal", "leaky"):
@@ -135,6 +139,7 @@ def test_cli_run_outputs(cli_run):
     for name, run in summary["runs"].items():
         assert rows[name][1] == cli._loss(run["train_loss"])
         assert rows[name][5] == f"{run['generation_accuracy']:.3f}"
+        assert rows[name][6] == f"{run['cached_generation_accuracy']:.3f}"
 
 
 def test_resume_equals_uninterrupted(cli_run, tmp_path):
@@ -152,7 +157,8 @@ def test_resume_equals_uninterrupted(cli_run, tmp_path):
         a, _ = Checkpointer(full_out / "checkpoints" / name).restore(like)
         b, _ = Checkpointer(out / "checkpoints" / name).restore(like)
         chex.assert_trees_all_equal(a, b)  # bit-exact: params, optimizer state, step, key
-        for key in ("train_loss", "eval_loss", "future_leak", "generation_accuracy", "steps"):
+        for key in ("train_loss", "eval_loss", "future_leak", "generation_accuracy",
+                    "cached_generation_accuracy", "steps"):  # fmt: skip
             assert resumed["runs"][name][key] == full["runs"][name][key], key
 
     def losses(path):
@@ -341,7 +347,8 @@ def test_train_step_compiles_once_donates_and_uses_dropout():
     chex.assert_trees_all_equal(leaky.params, first_params)
 
 
-def test_greedy_generate_picks_the_argmax_given_the_past():
+@pytest.mark.parametrize("cached", [False, True], ids=["fixed-window", "kv-cache"])
+def test_greedy_generate_picks_the_argmax_given_the_past(cached):
     """Each generated token is the argmax of the model's logits given everything before it."""
     task, model_cfg, train_cfg = _tiny_configs()
     model = TinyGPT(model_cfg)
@@ -349,13 +356,37 @@ def test_greedy_generate_picks_the_argmax_given_the_past():
     variables = {"params": init_state(model_cfg, train_cfg).params}
     windows = task.eval_set(256)
     prompt_len = task.prompt_len
-    out = greedy_generate(model, variables, windows[:, :prompt_len], num_new_tokens=task.prefix_len)
+    out = greedy_generate(
+        model, variables, windows[:, :prompt_len], num_new_tokens=task.prefix_len, cached=cached
+    )
     assert out.shape == windows.shape
     np.testing.assert_array_equal(out[:, :prompt_len], windows[:, :prompt_len])
     # One teacher-forced call on the finished sequences: logits at position p - 1 see
     # tokens 0 .. p - 1 only (causal), exactly what generation saw when it wrote token p.
     logits = jax.jit(model.apply)(variables, out[:, :-1])  # [B, T, V]
     np.testing.assert_array_equal(jnp.argmax(logits[:, prompt_len - 1 :], -1), out[:, prompt_len:])
+
+
+def test_leaky_generation_reads_the_placeholders():
+    """The fixed-window generator is the book's loop over a fixed window, placeholders zero.
+
+    So a leaky model (whose logits at position p read position p + 1) sees the placeholders
+    where it learned to find the answer; a causal model never reads them (test above).
+    """
+    task, model_cfg, train_cfg = _tiny_configs()
+    model = TinyGPT(dataclasses.replace(model_cfg, causal=False))
+    variables = {"params": init_state(model.config, train_cfg).params}
+    prompt = task.eval_set(64)[:, : task.prompt_len]
+    out = greedy_generate(model, variables, prompt, num_new_tokens=task.prefix_len)
+    # Reference: the same loop written out, the window's placeholders zero as documented.
+    window = task.prompt_len + task.prefix_len - 1
+    buffer = (
+        jnp.zeros((prompt.shape[0], window + 1), jnp.int32).at[:, : task.prompt_len].set(prompt)
+    )
+    for pos in range(task.prompt_len, window + 1):
+        logits = model.apply(variables, buffer[:, :window], deterministic=True)
+        buffer = buffer.at[:, pos].set(jnp.argmax(logits[:, pos - 1], -1))
+    np.testing.assert_array_equal(out, buffer)
 
 
 # ----------------------------------------------------------------------------------------

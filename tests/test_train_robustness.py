@@ -44,7 +44,14 @@ FLAGS = [
 TASK = CopyTask(num_symbols=4, prefix_len=4, batch_size=8, seed=5)
 MODEL = GPTConfig(TASK.vocab_size, TASK.context_length, d_model=16, num_layers=1, num_heads=2)
 TRAIN = TrainConfig(steps=STEPS, seed=5, checkpoint_every=10, eval_every=10)
-COMPARED = ("train_loss", "eval_loss", "future_leak", "generation_accuracy", "steps")
+COMPARED = (
+    "train_loss",
+    "eval_loss",
+    "future_leak",
+    "generation_accuracy",
+    "cached_generation_accuracy",
+    "steps",
+)
 
 
 def _cli():

@@ -9,7 +9,7 @@ Pieces, each replaceable on its own:
 * :mod:`jattn.toy.model` -- :class:`TinyGPT`, built from :class:`jattn.linen.MultiHeadAttention`.
 * :mod:`jattn.toy.train` -- AdamW with warmup and cosine decay, the jitted donated train
   step, orbax checkpoints.
-* :mod:`jattn.toy.generate` -- greedy generation through the KV cache, and its accuracy.
+* :mod:`jattn.toy.generate` -- greedy generation (fixed window, or through the KV cache) and its accuracy.
 * :mod:`jattn.toy.plots` -- loss curves and attention heatmaps.
 * :mod:`jattn.toy.parallel` -- the ``('data', 'model')`` device mesh every run trains on
   (a 1x1 mesh on one device), batch placement, ``jax.distributed`` for several hosts.

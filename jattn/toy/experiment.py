@@ -17,7 +17,9 @@ under the output folder.
     RUN = {"train_loss": float,  # last 10% of steps (<= 50), dropout on, as in the curves
            "eval_loss": float,   # final model, dropout off, on held-out windows
            "future_leak": float, # max logit change at positions < j when token j changes
-           "generation_accuracy": float,  # greedy continuation of held-out prompts
+           "generation_accuracy": float,  # greedy continuation of held-out prompts,
+                                          # fixed window (jattn.toy.generate)
+           "cached_generation_accuracy": float,  # the same through the KV cache
            "steps": int,         # updates done
            "seconds": float,     # training wall time of every session: compiling and
                                  # held-out evaluation included, checkpoint writes not
@@ -182,8 +184,9 @@ def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int) -> dic
       ``eval_loss`` (held-out),
       ``future_leak`` (largest change of the logits at positions ``< j`` when token ``j``
       of a held-out window changes; exactly 0 for a causal model) and
-      ``generation_accuracy`` (greedy generation after the prompt), plus ``generated``:
-      the continuations ``[N, M]``.
+      ``generation_accuracy`` (greedy generation after the prompt, rerunning the fixed
+      window), ``cached_generation_accuracy`` (the same through the KV cache; equal for a
+      causal model), plus ``generated``: the fixed-window continuations ``[N, M]``.
     """
     eval_loss = mean_loss(model, variables, eval_windows)
     leak = future_leak(
@@ -194,10 +197,12 @@ def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int) -> dic
         key=stream_key(seed, "probe"),
     )
     accuracy, generated = generation_accuracy(model, variables, eval_windows, task.prompt_len)
+    cached, _ = generation_accuracy(model, variables, eval_windows, task.prompt_len, cached=True)
     return {
         "eval_loss": float(eval_loss),
         "future_leak": float(leak),
         "generation_accuracy": accuracy,
+        "cached_generation_accuracy": cached,
         "generated": np.asarray(generated),
     }
 
