@@ -98,12 +98,9 @@ def check_numerics(cls_name: str, dtype, param_dtype, attention_implementation=N
     if dtype is not None:
         masks._check_float_dtype(dtype, f"{cls_name}: dtype")
     masks._check_float_dtype(param_dtype, f"{cls_name}: param_dtype")
-    if attention_implementation not in (None, "dense", "blockwise"):
-        raise ValueError(
-            f"{cls_name}: attention_implementation must be None (automatic), 'dense' or "
-            f"'blockwise', got {attention_implementation!r}. Use 'dense' for forward-mode "
-            "autodiff (jax.jvp, jax.jacfwd), which the blockwise path does not support."
-        )
+    functional._check_implementation(
+        attention_implementation, f"{cls_name}: attention_implementation"
+    )
 
 
 def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):

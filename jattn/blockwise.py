@@ -84,11 +84,15 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _tile_length(length: int, requested: int) -> int:
+    # A sequence shorter than a tile is one tile (rounded up to 8 rows), not a padded one.
+    return min(requested, _round_up(length, 8))
+
+
 def _pick_block(length: int, requested: int | None, default: int) -> int:
     if requested is None:
         requested = _SHORT_BLOCK if length <= _SHORT_LEN else default
-    # A sequence shorter than a tile is one tile (rounded up to 8 rows), not a padded one.
-    return min(requested, _round_up(length, 8))
+    return _tile_length(length, requested)
 
 
 # ----------------------------------------------------------------------------------------

@@ -386,10 +386,10 @@ def linen_to_nnx(variables: Mapping, module: nnx.Module) -> nnx.Module:
     current = nnx.to_pure_dict(state)
     _match_tree(params, current, "/".join, "variables['params']")
     for path, value in _flatten(params).items():
-        if not jnp.issubdtype(jnp.asarray(value).dtype, jnp.floating):
+        dtype = jnp.asarray(value).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
-                f"variables['params'][{'/'.join(path)}] must hold floats, got dtype "
-                f"{jnp.asarray(value).dtype}."
+                f"variables['params'][{'/'.join(path)}] must hold floats, got dtype {dtype}."
             )
     cast = jax.tree.map(lambda new, old: jnp.asarray(new, dtype=old.dtype), dict(params), current)
     nnx.replace_by_pure_dict(state, cast)

@@ -567,12 +567,18 @@ def _blockwise_obstacle(bias, scale, module, return_weights) -> str | None:
     return None
 
 
-def _choose_implementation(implementation, *, q_len: int, kv_len: int, obstacle) -> str:
+def _check_implementation(implementation, name: str = "implementation") -> None:
+    """The one list of implementations (the core's argument, the modules' attribute)."""
     if implementation not in (None, "dense", "blockwise"):
         raise ValueError(
-            f"implementation must be None (automatic), 'dense' or 'blockwise', got "
-            f"{implementation!r}."
+            f"{name} must be None (automatic), 'dense' or 'blockwise', got "
+            f"{implementation!r}. 'dense' is the one forward-mode autodiff (jax.jvp, "
+            "jax.jacfwd) works with; the blockwise path has a custom VJP only."
         )
+
+
+def _choose_implementation(implementation, *, q_len: int, kv_len: int, obstacle) -> str:
+    _check_implementation(implementation)
     if implementation == "blockwise" and obstacle is not None:
         raise ValueError(
             f"implementation='blockwise' cannot be used here: {obstacle}. Use "

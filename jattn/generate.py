@@ -66,8 +66,7 @@ def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
     if not 0.0 <= temperature < float("inf"):  # also rejects NaN
         raise ValueError(
             f"temperature must be >= 0 and finite (0 = greedy), got {temperature}. It divides "
-            "the logits "
-            "before sampling: below 1 sharpens, above 1 flattens the distribution."
+            "the logits before sampling: below 1 sharpens, above 1 flattens the distribution."
         )
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:

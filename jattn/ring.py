@@ -179,11 +179,6 @@ def _check_options(scale, is_causal, block_q, block_k) -> None:
             masks._check_size(block, name)
 
 
-def _tile_length(length: int, requested: int) -> int:
-    # A block shorter than a tile is one tile, rounded up to 8 rows (sublane multiple).
-    return min(requested, -(-length // 8) * 8)
-
-
 def _to_tiles(x: Array, groups: int, padded: int) -> Array:
     """``[batch..., T, heads, D]`` -> blockwise's ``[N, K, G, T_pad, D]`` (``G=1`` for keys)."""
     *batch, t, heads, d = x.shape
@@ -259,8 +254,8 @@ def ring_attention_shard(
         ) from None
     configs = {}
     for name, causal in (("diagonal", is_causal), ("off_diagonal", False)):
-        bq = _tile_length(q_len, block_q or blockwise.DEFAULT_BLOCK_Q)
-        bk = _tile_length(kv_len, block_k or blockwise.DEFAULT_BLOCK_K)
+        bq = blockwise._tile_length(q_len, block_q or blockwise.DEFAULT_BLOCK_Q)
+        bk = blockwise._tile_length(kv_len, block_k or blockwise.DEFAULT_BLOCK_K)
         configs[name] = blockwise._Config(
             q_len=q_len,
             kv_len=kv_len,

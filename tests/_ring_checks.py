@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _fake_devices import force_cpu_devices
+
+force_cpu_devices(4)
 
 import jax
 import jax.numpy as jnp

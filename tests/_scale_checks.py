@@ -12,22 +12,20 @@ import contextlib
 import io
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _fake_devices import force_cpu_devices
+
+force_cpu_devices(4)
 
 import jax
 import numpy as np
+from _cli import load_train_toy
 
 from jattn.toy import CopyTask, GPTConfig, TinyGPT, TrainConfig, parallel
 from jattn.toy.train import Checkpointer, init_state, state_shardings, train
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, STOP_AT = 16, 10
 TASK = dict(num_symbols=4, prefix_len=4, batch_size=16, seed=3)
 MODEL = dict(d_model=16, num_layers=1, num_heads=2, dropout=0.1)
@@ -97,8 +95,11 @@ def _run(mesh, *, until=None, state=None, ckpt=None):
     return state, losses
 
 
-def check_meshes() -> dict:
-    """Per-step losses and step compilations on each mesh; the 2x2 state's layout."""
+def check_meshes() -> tuple[dict, object]:
+    """Per-step losses and step compilations on each mesh; the 2x2 state's layout.
+
+    Also returns the final 2x2 state (on the host), the uninterrupted run for check_resume.
+    """
     results = {"losses": {}, "compiles": {}}
     for data, model in ((1, 1), (4, 1), (2, 2)):
         mesh = parallel.make_mesh(model, jax.devices()[: data * model])
@@ -112,7 +113,8 @@ def check_meshes() -> dict:
                 "params": _layout(state.params),
                 "adam_mu": _layout(state.opt_state[1][0].mu),
             }
-    return results
+            full_2x2 = parallel.to_host(state)
+    return results, full_2x2
 
 
 def _max_diff(a, b) -> float:
@@ -129,15 +131,14 @@ def _sharded_as(tree, shardings) -> bool:
     )
 
 
-def check_resume(tmp: Path) -> dict:
-    """A 2x2 run checkpointed at STOP_AT and resumed == the uninterrupted run.
+def check_resume(tmp: Path, full) -> dict:
+    """A 2x2 run checkpointed at STOP_AT and resumed == the uninterrupted run ``full``.
 
     Also restores the same checkpoint onto a 4x1 mesh: orbax reshards it.
     """
     _, model_cfg, cfg = _configs()
     mesh = parallel.make_mesh(2, jax.devices())
     mesh_41 = parallel.make_mesh(1, jax.devices())
-    full, _ = _run(mesh)
     ckpt = Checkpointer(tmp / "ckpt")
     _run(mesh, until=STOP_AT, ckpt=ckpt)
     with _counting_compiles() as compiles:
@@ -148,7 +149,7 @@ def check_resume(tmp: Path) -> dict:
     elsewhere, _ = ckpt.restore(init_state(model_cfg, cfg, mesh_41))
     ckpt.close()
     return {
-        "resume_diff": _max_diff(parallel.to_host(full), parallel.to_host(resumed)),
+        "resume_diff": _max_diff(full, parallel.to_host(resumed)),
         "resume_restored_sharded": restored_sharded,
         "resume_compiles": compiles.count,
         "reshard_diff": _max_diff(restored_host, parallel.to_host(elsewhere)),
@@ -159,11 +160,7 @@ def check_resume(tmp: Path) -> dict:
 
 def check_cli(tmp: Path) -> dict:
     """``train_toy.py --model-parallel 2`` on the 4 devices, and its errors."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_toy", ROOT / "train_toy.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_train_toy()
     out = tmp / "cli"
     with contextlib.redirect_stdout(io.StringIO()):
         status = cli.main([*FLAGS, "--model-parallel", "2", "--out", str(out)])
@@ -193,9 +190,8 @@ def main() -> None:
     if len(jax.devices()) != 4:
         sys.exit(f"expected 4 fake CPU devices, got {jax.devices()}")
     tmp = Path(sys.argv[1])
-    results = {}
-    results.update(check_meshes())
-    results.update(check_resume(tmp))
+    results, full_2x2 = check_meshes()
+    results.update(check_resume(tmp, full_2x2))
     results.update(check_cli(tmp))
     print(json.dumps(results))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import io
 import re
 import sys
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli import load_train_toy
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -48,7 +48,7 @@ class Case:
 
 
 # ----------------------------------------------------------------------------------------
-# Inputs the cases share (built on first use)
+# Inputs the cases share (modules and variables built on first use)
 # ----------------------------------------------------------------------------------------
 
 KEY = jax.random.key(0)
@@ -72,6 +72,7 @@ def linen_call(x=X, **kwargs):
     return lambda: module.apply(variables, x, **{"deterministic": True} | kwargs)
 
 
+@functools.cache
 def linen_decoder():
     module = jl.MultiHeadAttention(8, 4, 0.0, 2, decode=True)
     return module, module.init(KEY, X)
@@ -451,19 +452,11 @@ def test_float64_is_accepted_with_x64_on():
 # ----------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _train_toy():
-    spec = importlib.util.spec_from_file_location("train_toy_cli", ROOT / "train_toy.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
-
-
 def _run_cli(argv) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            status = _train_toy().main(argv)
+            status = load_train_toy().main(argv)
         except SystemExit as e:
             status = e.code
     return status, err.getvalue()

@@ -13,16 +13,12 @@ import numpy as np
 import pytest
 from _module_cases import CLASSES, Case
 
-T = 256  # the automatic rule's threshold on CPU (jattn.functional._AUTO_MIN_LEN)
+from jattn.functional import _AUTO_MIN_LEN as T  # where the automatic rule picks blockwise (CPU)
 
 
-def _forward(api: str, case: Case, implementation):
-    """``x -> module(x)`` for the case built with ``attention_implementation``."""
-    case = Case(
-        case.kind,
-        context_length=T,
-        extra=(("attention_implementation", implementation),),
-    )
+def _forward(api: str, kind: str, implementation):
+    """``x -> module(x)`` for the class built with ``attention_implementation``."""
+    case = Case(kind, context_length=T, extra=(("attention_implementation", implementation),))
     kwargs = case.call_kwargs(deterministic=True)
     x0 = jnp.zeros((1, T, case.d_in))
     if api == "linen":
@@ -45,7 +41,7 @@ def test_dense_enables_forward_mode_and_agrees_with_blockwise(api, kind, rng, ba
     case = Case(kind)
     x = jnp.asarray(rng.normal(size=(1, T, case.d_in)), jnp.float32)
     v = jnp.asarray(rng.normal(size=x.shape), jnp.float32)  # input tangent
-    auto, dense, blockwise = (_forward(api, case, impl) for impl in (None, "dense", "blockwise"))
+    auto, dense, blockwise = (_forward(api, kind, impl) for impl in (None, "dense", "blockwise"))
 
     # The default is the blockwise path here: reverse mode only.
     with pytest.raises(TypeError, match="custom_vjp"):

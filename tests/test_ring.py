@@ -8,16 +8,13 @@ on a one-device mesh.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _fake_devices import run_checks
 from jax.sharding import Mesh
 
 import jattn
@@ -31,17 +28,7 @@ GRAD_TOL = 2e-6  # relative to the largest gradient entry (blockwise vs dense: ~
 @pytest.fixture(scope="module")
 def multi() -> dict:
     """Results of tests/_ring_checks.py on 4 fake CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run(
-        [sys.executable, str(CHECKS)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{CHECKS.name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_checks(CHECKS)
 
 
 def _inputs(shape_q, kv_heads, seed=0):

@@ -8,15 +8,12 @@ The single-device checks of jattn.toy.parallel run here.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from _fake_devices import run_checks
 
 from jattn.toy import parallel
 
@@ -27,18 +24,7 @@ STEPS = 16
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory) -> dict:
     """Results of tests/_scale_checks.py on 4 fake CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    tmp = tmp_path_factory.mktemp("scale")
-    proc = subprocess.run(
-        [sys.executable, str(CHECKS), str(tmp)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{CHECKS.name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_checks(CHECKS, tmp_path_factory.mktemp("scale"))
 
 
 @pytest.mark.parametrize("mesh", ["4x1", "2x2"])

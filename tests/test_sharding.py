@@ -7,10 +7,6 @@ single-device checks (defaults unchanged, errors) run here.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -18,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _fake_devices import run_checks
 from flax import nnx
 
 from jattn import linen as jl
@@ -42,12 +39,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def multi() -> dict:
     """Results of tests/_sharding_checks.py on a 2x2 ('data', 'model') mesh."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run(
-        [sys.executable, str(CHECKS)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, f"{CHECKS.name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_checks(CHECKS)
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli import load_train_toy
 from flax import nnx
 
 import jattn.nnx
@@ -83,9 +83,7 @@ def _cli(*args, cwd=ROOT, timeout=300):
 def cli_run(tmp_path_factory):
     """``train_toy.py`` with tiny settings, run in-process (its ``main``) to share compilations."""
     out = tmp_path_factory.mktemp("toy") / "cli"
-    spec = importlib.util.spec_from_file_location("train_toy", ROOT / "train_toy.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_train_toy()
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert cli.main([*TINY_FLAGS, "--out", str(out)]) == 0

@@ -10,7 +10,6 @@ checkpoint bit for bit, the same losses, the same summary numbers.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -26,6 +25,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from _cli import load_train_toy
 
 from jattn.toy import Checkpointer, CopyTask, GPTConfig, TinyGPT, TrainConfig, init_state
 from jattn.toy.train import TrainingDiverged, train
@@ -54,18 +54,11 @@ COMPARED = (
 )
 
 
-def _cli():
-    spec = importlib.util.spec_from_file_location("train_toy", ROOT / "train_toy.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
-
-
 def _main(*args) -> tuple[int, str, str]:
     """``train_toy.main`` in this process (compilations are shared): (status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = _cli().main([*FLAGS, *args])
+        status = load_train_toy().main([*FLAGS, *args])
     return status, out.getvalue(), err.getvalue()
 
 

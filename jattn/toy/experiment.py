@@ -75,38 +75,32 @@ class OutputFolderError(ValueError):
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line, tagged with its run.
 
-    ``path=None`` keeps the records in memory instead (processes other than the first
-    of a multi-host run, which write no files).
+    ``path=None`` writes and keeps nothing (processes other than the first of a multi-host
+    run, which neither write files nor measure).
     """
 
     def __init__(self, path):
         self.path = None if path is None else Path(path)
-        self._records: list[dict] = []
 
     def read(self) -> list[dict]:
-        if self.path is None:
-            return list(self._records)
-        if not self.path.exists():
+        if self.path is None or not self.path.exists():
             return []
         with self.path.open() as f:
             return [json.loads(line) for line in f if line.strip()]
 
     def truncate(self, run: str, step: int) -> None:
         """Drops ``run``'s records after ``step`` (a resumed run rewrites them)."""
-        kept = [r for r in self.read() if r["run"] != run or r["step"] <= step]
         if self.path is None:
-            self._records = kept
             return
+        kept = [r for r in self.read() if r["run"] != run or r["step"] <= step]
         with self.path.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def append(self, run: str, records: Sequence[dict]) -> None:
-        tagged = [{"run": run, **r} for r in records]
         if self.path is None:
-            self._records += tagged
             return
         with self.path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in tagged)
+            f.writelines(json.dumps({"run": run, **r}) + "\n" for r in records)
 
 
 def recent_train_loss(records: Sequence[dict], run: str, steps: int) -> float:
@@ -354,8 +348,11 @@ def run_experiment(
         if steps < train_config.steps:  # stopped early by `until`: measure when finished
             echo(f"{name}: stopped at step {steps} of {train_config.steps}; resume to finish")
             continue
-        # Measured on one device per process, from a whole copy of the parameters.
+        # Measured on one device, from a whole copy of the parameters (gathering it is a
+        # collective: every process takes part), by the process that writes the results.
         variables = {"params": parallel.to_host(state.params)}
+        if not primary:
+            continue
         measured = evaluate(model, variables, task, eval_windows, seed=train_config.seed)
         samples[name] = measured.pop("generated")[0]
         steady = clock["steady_steps"] > 0

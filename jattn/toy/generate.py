@@ -55,24 +55,18 @@ def greedy_generate(
     Returns:
       int ``[B, P + num_new_tokens]``: the prompt followed by the generated tokens.
     """
-    if not cached:
-        forward = gen.LinenForwardFn(model, (("deterministic", True),))
-        new = gen.generate_recompute(
-            forward, variables["params"], prompt, max_new_tokens=num_new_tokens
-        )
-        return jnp.concatenate([prompt, new.astype(prompt.dtype)], axis=1)
-    decoder = model.clone(decode=True)
-    batch, prompt_len = prompt.shape
-    # An empty cache is all zeros (zero filled lengths), sized to this generation.
-    shapes = _cache_shapes(decoder, batch, prompt_len + num_new_tokens - 1)
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    new = gen.generate(
-        gen.LinenDecodeFn(decoder),
-        variables["params"],
-        cache,
-        prompt,
-        max_new_tokens=num_new_tokens,
-    )
+    params, inference = variables["params"], (("deterministic", True),)
+    if cached:
+        decoder = model.clone(decode=True)
+        batch, prompt_len = prompt.shape
+        # An empty cache is all zeros (zero filled lengths), sized to this generation.
+        shapes = _cache_shapes(decoder, batch, prompt_len + num_new_tokens - 1)
+        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        decode = gen.LinenDecodeFn(decoder, inference)
+        new = gen.generate(decode, params, cache, prompt, max_new_tokens=num_new_tokens)
+    else:
+        forward = gen.LinenForwardFn(model, inference)
+        new = gen.generate_recompute(forward, params, prompt, max_new_tokens=num_new_tokens)
     return jnp.concatenate([prompt, new.astype(prompt.dtype)], axis=1)
 
 

@@ -25,15 +25,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _module_utils as mu
 from jattn.linen import MultiHeadAttention
 from jattn.toy.parallel import MODEL_AXIS
 
 __all__ = ["GPTConfig", "TinyGPT", "init_variables"]
 
-# Flax's Dense defaults, annotated: hidden units split over the 'model' mesh axis.
-_mlp_in_kernel = nn.with_partitioning(nn.initializers.lecun_normal(), (None, MODEL_AXIS))
-_mlp_in_bias = nn.with_partitioning(nn.initializers.zeros_init(), (MODEL_AXIS,))
-_mlp_out_kernel = nn.with_partitioning(nn.initializers.lecun_normal(), (MODEL_AXIS, None))
+# Flax's Dense defaults, annotated as jattn's attention projections are (Megatron-style):
+# the hidden units split over the 'model' mesh axis, mlp_in by columns, mlp_out by rows.
+_mlp_in_init, _mlp_out_init = (
+    mu.tensor_parallel_inits(
+        nn.with_partitioning,
+        nn.initializers.lecun_normal(),
+        nn.initializers.zeros_init(),
+        MODEL_AXIS,
+        split,
+    )
+    for split in ("columns", "rows")
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +120,13 @@ class Block(nn.Module):
         # [B, T, D] -> [B, T, mlp_ratio * D] -> [B, T, D]
         h_BxTxF = nn.Dense(
             cfg.mlp_ratio * cfg.d_model,
-            kernel_init=_mlp_in_kernel,
-            bias_init=_mlp_in_bias,
+            kernel_init=_mlp_in_init[0],
+            bias_init=_mlp_in_init[1],
             name="mlp_in",
         )(nn.LayerNorm(name="ln_mlp")(x_BxTxD))
-        h_BxTxD = nn.Dense(cfg.d_model, kernel_init=_mlp_out_kernel, name="mlp_out")(
-            nn.gelu(h_BxTxF)
-        )
+        h_BxTxD = nn.Dense(
+            cfg.d_model, kernel_init=_mlp_out_init[0], bias_init=_mlp_out_init[1], name="mlp_out"
+        )(nn.gelu(h_BxTxF))
         return x_BxTxD + nn.Dropout(cfg.dropout)(h_BxTxD, deterministic=deterministic)
 
 
