@@ -45,7 +45,8 @@ def row_stats(key, d_k, scale, *, num_tokens: int, max_dk: int, v_dim: int = 8):
       v_dim: value width.
     """
     k_q, k_k, k_v, k_g = jax.random.split(key, 4)
-    keep = jnp.arange(max_dk) < d_k  # zero-padding leaves every dot product unchanged
+    # [1, 1, max_dk]: zero-padding leaves every dot product unchanged
+    keep = (jnp.arange(max_dk) < d_k)[None, None, :]
     # [T, 1 head, max_dk]
     query = jax.random.normal(k_q, (num_tokens, 1, max_dk)) * keep
     key_ = jax.random.normal(k_k, (num_tokens, 1, max_dk)) * keep

@@ -6,7 +6,7 @@ positions at once. Reduced to ``D[i, j] = max |d output[i, :] / d input[j, :]|``
 
 * the causal ``MultiHeadAttention`` gives a lower-triangular map: every entry above the
   diagonal is *exactly* zero (not merely small), so no output can depend on a later token;
-* the same module and weights with ``causal=False`` give a full map: every output depends
+* the same module and weights with ``is_causal=False`` give a full map: every output depends
   on the future, which is what would let a language model read the token it must predict.
 
 Module: ``jattn.linen.MultiHeadAttention(d_out=4, context_length=6, dropout=0.0,
@@ -32,7 +32,7 @@ from jattn import causality, linen, viz
 @dataclass
 class Result:
     causal: np.ndarray  # [T, T] D[i, j] for the causal module
-    leaky: np.ndarray  # [T, T] the same with causal=False
+    leaky: np.ndarray  # [T, T] the same with is_causal=False
     causal_future_max: float  # max over j > i of the causal map (0.0 exactly)
     causal_past_min: float  # min over j <= i of the causal map (> 0: the past is seen)
     leaky_future_min: float  # min over j > i of the leaky map (> 0: the future is seen)
@@ -45,7 +45,7 @@ def dependence_maps(d_out: int = 4, num_heads: int = 2, seed: int = 0):
     x = jnp.asarray(_common.BOOK_INPUTS)
     t = x.shape[0]
     causal = linen.MultiHeadAttention(d_out, t, 0.0, num_heads)
-    leaky = linen.MultiHeadAttention(d_out, t, 0.0, num_heads, causal=False)
+    leaky = linen.MultiHeadAttention(d_out, t, 0.0, num_heads, is_causal=False)
     variables = causal.init(jax.random.key(seed), x)  # the same parameters for both
     return tuple(
         causality.dependence_matrix(lambda x, m=module: m.apply(variables, x), x)
@@ -83,7 +83,7 @@ def plot(result: Result, path) -> None:
         f"{result.entries_above_diagonal} exact zeros above diagonal",
     )
     viz.attention_heatmap(
-        result.leaky, tokens, ax=axes[1], **common, title="causal=False: outputs see the future"
+        result.leaky, tokens, ax=axes[1], **common, title="is_causal=False: outputs see the future"
     )
     fig.suptitle("max |d output[i] / d input[j]|, by jax.jacrev")
     viz.save_figure(fig, path)
@@ -96,7 +96,7 @@ def main(argv=None) -> Result:
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of the weights")
     args = p.parse_args(argv)
     r = measure(args.d_out, args.heads, args.seed)
-    for name, dep in (("causal", r.causal), ("causal=False", r.leaky)):
+    for name, dep in (("causal", r.causal), ("is_causal=False", r.leaky)):
         print(f"{name}: D[i, j] = max |d out[i] / d in[j]|")
         print(np.array2string(dep, precision=3, suppress_small=False))
     print(
@@ -104,7 +104,7 @@ def main(argv=None) -> Result:
         f"({r.zeros_above_diagonal}/{r.entries_above_diagonal} exact zeros); "
         f"min on and below it = {r.causal_past_min:.3g}"
     )
-    print(f"causal=False: min above the diagonal = {r.leaky_future_min:.3g}")
+    print(f"is_causal=False: min above the diagonal = {r.leaky_future_min:.3g}")
     path = args.out / "04_causality_seen.png"
     plot(r, path)
     print(f"saved {path}")

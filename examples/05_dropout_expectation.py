@@ -72,7 +72,7 @@ def measure(max_log2_keys: int = 10, repeats: int = 32, rate: float = 0.5, seed:
     num_keys = 2 ** np.arange(max_log2_keys + 1)
     # Running means over each of R disjoint groups of n_max keys: [R, n_max, T, 1, d]
     grouped = outs.reshape(repeats, n_max, *exact.shape)
-    running = jnp.cumsum(grouped, axis=1) / jnp.arange(1, n_max + 1)[:, None, None, None]
+    running = jnp.cumsum(grouped, axis=1) / jnp.arange(1, n_max + 1)[None, :, None, None, None]
     # [R, len(num_keys), T, 1, d]: the mean of the first n keys of each group, n = 1, 2, 4, ...
     errors = running[:, num_keys - 1] - exact
     rms = np.sqrt(np.mean(np.asarray(errors) ** 2, axis=(0, 2, 3, 4)))

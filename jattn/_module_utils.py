@@ -6,13 +6,14 @@ does not depend on the Flax API lives here once, so the two APIs cannot drift ap
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jattn import functional, kvcache, masks
+from jattn import _checks, functional, kvcache
 
 Array = jax.Array
 
@@ -89,18 +90,83 @@ def check_config(
 
 def check_numerics(cls_name: str, dtype, param_dtype, attention_implementation=None) -> None:
     """Validates ``dtype`` (None or floating), ``param_dtype`` (floating) and
-    ``attention_implementation`` (None, ``'dense'`` or ``'blockwise'``).
+    ``attention_implementation`` (None or a name of :data:`jattn._checks.IMPLEMENTATIONS`).
 
     Raises:
       TypeError: a dtype that is not floating (or not a dtype).
       ValueError: float64 while ``jax_enable_x64`` is off; an unknown implementation.
     """
     if dtype is not None:
-        masks._check_float_dtype(dtype, f"{cls_name}: dtype")
-    masks._check_float_dtype(param_dtype, f"{cls_name}: param_dtype")
-    functional._check_implementation(
-        attention_implementation, f"{cls_name}: attention_implementation"
-    )
+        _checks.float_dtype(dtype, f"{cls_name}: dtype")
+    _checks.float_dtype(param_dtype, f"{cls_name}: param_dtype")
+    _checks.implementation(attention_implementation, f"{cls_name}: attention_implementation")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleConfig:
+    """The attention options every Linen and NNX class shares, validated once at construction.
+
+    The classes keep the book's constructor arguments (``d_in``, ``d_out``,
+    ``context_length``, ``dropout``, ``num_heads``, ``qkv_bias``) and build one of these from
+    the rest; :func:`attend` reads the call's settings from it, and the wrapper hands it to
+    its heads.
+
+    Attributes:
+      cls_name: the class, for error messages.
+      dropout: probability of dropping an attention weight, in [0, 1).
+      is_causal: AND the causal mask (False for the book's v1/v2, which have none).
+      broadcast_dropout: axes sharing one dropout mask (see ``dot_product_attention``).
+      attention_implementation: the core's ``implementation`` (None: automatic).
+      dtype: computation dtype (None: inferred).
+      param_dtype: dtype of the parameters.
+      precision: ``jax.lax.Precision`` of the projections and the attention products.
+      kernel_init: initializer of every kernel.
+      bias_init: initializer of every bias.
+      model_axis: mesh axis the heads are split over (tensor parallelism), or None.
+    """
+
+    cls_name: str
+    dropout: float = 0.0
+    is_causal: bool = False
+    broadcast_dropout: bool | str = False
+    attention_implementation: str | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = None
+    bias_init: Any = None
+    model_axis: str | None = None
+
+    def __post_init__(self):
+        name = self.cls_name
+        object.__setattr__(self, "dropout", check_dropout(self.dropout, name))
+        _checks.flag(self.is_causal, f"{name}: is_causal")
+        _checks.broadcast_dropout(self.broadcast_dropout)
+        check_numerics(name, self.dtype, self.param_dtype, self.attention_implementation)
+        if self.model_axis is not None and not isinstance(self.model_axis, str):
+            raise TypeError(
+                f"model_axis must be the name of a mesh axis (a str) or None, got "
+                f"{self.model_axis!r}."
+            )
+
+    def head_options(self) -> dict:
+        """The keyword options of a single-head class built from this configuration (the
+        wrapper's heads), in the classes' own argument names."""
+        return {
+            "is_causal": self.is_causal,
+            "broadcast_dropout": self.broadcast_dropout,
+            "attention_implementation": self.attention_implementation,
+            "dtype": self.dtype,
+            "param_dtype": self.param_dtype,
+            "precision": self.precision,
+            "kernel_init": self.kernel_init,
+            "bias_init": self.bias_init,
+        }
+
+
+def resolve_causal(is_causal, causal, cls_name: str) -> bool:
+    """``is_causal``, or the deprecated ``causal=`` when given (with a DeprecationWarning)."""
+    return _checks.renamed(is_causal, causal, "is_causal", "causal", cls_name)
 
 
 def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):
@@ -276,7 +342,7 @@ def concat_heads(outs: list, return_weights: bool):
 
 
 def attend(
-    module: Any,
+    config: ModuleConfig,
     queries: Array,
     keys: Array,
     values: Array,
@@ -287,19 +353,14 @@ def attend(
     deterministic: bool = True,
     dropout_rng: Array | None = None,
     return_weights: bool = False,
-    sow_weights: bool = False,
+    sow_into: Any = None,
     cache: kvcache.KVCache | None = None,
     num_new=None,
 ):
     """Projected features in, attended features out: the modules' one call into the core.
 
-    The module's settings are read from its attributes, which the Linen and NNX classes
-    name alike: ``dtype``, ``precision``, ``attention_implementation`` and, on the classes
-    with a mask and dropout, ``causal``, ``dropout`` and ``broadcast_dropout`` (the book's
-    self-attention classes have none of them: no mask, no dropout).
-
     Args:
-      module: the calling Linen or NNX module.
+      config: the calling module's :class:`ModuleConfig`.
       queries: ``[batch..., T, num_heads * head_dim]``.
       keys: ``[batch..., T, num_kv_heads * head_dim]``.
       values: ``[batch..., T, num_kv_heads * head_dim]``.
@@ -308,7 +369,7 @@ def attend(
       deterministic: True: no dropout.
       dropout_rng: the dropout key when ``deterministic`` is False.
       return_weights: also return the weights ``[batch..., num_heads, T, T]`` (pre-dropout).
-      sow_weights: sow the weights into the module as ``attention_weights``.
+      sow_into: a module to sow the weights into as ``attention_weights``, or None.
       cache: decode mode: a :class:`jattn.kvcache.KVCache`; the keys and values are
         appended to it (:func:`jattn.kvcache.update_and_attend`) and the queries attend
         over everything it holds, so ``mask`` and the weights have ``capacity`` keys.
@@ -324,28 +385,27 @@ def attend(
     v = split_heads(values, num_kv_heads)
     options = dict(
         mask=mask,
-        dropout_rate=getattr(module, "dropout", 0.0),
+        dropout_rate=config.dropout,
         dropout_rng=dropout_rng,
         deterministic=deterministic,
-        broadcast_dropout=getattr(module, "broadcast_dropout", False),
-        dtype=module.dtype,
-        precision=module.precision,
-        module=module if sow_weights else None,
+        broadcast_dropout=config.broadcast_dropout,
+        dtype=config.dtype,
+        precision=config.precision,
+        module=sow_into,
         return_weights=return_weights,
-        implementation=module.attention_implementation,
+        implementation=config.attention_implementation,
     )
-    causal = getattr(module, "causal", False)
     if cache is None and num_new is not None:
         raise ValueError(
-            f"{type(module).__name__}: num_new (real tokens per row of a decoding chunk) is only "
+            f"{config.cls_name}: num_new (real tokens per row of a decoding chunk) is only "
             "used in decode mode: Linen modules built with decode=True and a 'cache' collection, "
             "NNX modules after init_cache() and called with decode=True."
         )
     if cache is None:
-        out = functional.dot_product_attention(q, k, v, is_causal=causal, **options)
+        out = functional.dot_product_attention(q, k, v, is_causal=config.is_causal, **options)
     else:
         out, cache = kvcache.update_and_attend(
-            cache, q, k, v, num_new=num_new, causal=causal, **options
+            cache, q, k, v, num_new=num_new, is_causal=config.is_causal, **options
         )
     if return_weights:
         context, weights = out

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,13 @@ from jax import lax
 
 from jattn import _prng
 from jattn import masks as masks_lib
+from jattn._call import Operands, Settings
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention"]
+
+# The internal API that jattn's other paths (ring attention) build on, beside the public
+# blockwise_attention: Config / make_config (static description and tiling), tile_length,
+# Aux (per-call arrays in tile layout), forward and backward (one pass each).
 
 Array = jax.Array
 
@@ -53,7 +58,7 @@ _SHORT_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     """Everything static about one call (hashable: it keys the custom VJP's trace)."""
 
     q_len: int  # real (unpadded) lengths
@@ -80,19 +85,87 @@ class _Config:
         return -(-self.kv_len // self.block_k) * self.block_k
 
 
+class Aux(NamedTuple):
+    """Per-call arrays of the tile loops, in tile layout (None where absent; a pytree).
+
+    Attributes:
+      q_lengths: int32 ``[N]``: real queries per flattened batch row.
+      kv_lengths: int32 ``[N]``: real keys per row.
+      q_segments: int32 ``[N, Tq_pad]`` (edge-padded).
+      kv_segments: int32 ``[N, Tk_pad]``.
+      mask: bool ``[Nm, Km, Gm, Lq, Lk]`` (see :func:`_mask_operand`).
+      dropout_words: uint32 ``[4]`` from the dropout key (:func:`jattn._prng.key_words`).
+      dropout_threshold: uint32 keep threshold (:func:`jattn._prng.keep_threshold`).
+      keep_prob: ``1 - rate`` in the softmax dtype.
+    """
+
+    q_lengths: Array | None = None
+    kv_lengths: Array | None = None
+    q_segments: Array | None = None
+    kv_segments: Array | None = None
+    mask: Array | None = None
+    dropout_words: Array | None = None
+    dropout_threshold: Array | None = None
+    keep_prob: Array | None = None
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _tile_length(length: int, requested: int) -> int:
-    # A sequence shorter than a tile is one tile (rounded up to 8 rows), not a padded one.
+def tile_length(length: int, requested: int) -> int:
+    """The tile length for ``length`` tokens: ``requested``, capped at ``length`` rounded up
+    to 8 (a sequence shorter than a tile is one tile, not a padded one)."""
     return min(requested, _round_up(length, 8))
 
 
-def _pick_block(length: int, requested: int | None, default: int) -> int:
+def _default_tile(length: int, requested: int | None, default: int) -> int:
     if requested is None:
         requested = _SHORT_BLOCK if length <= _SHORT_LEN else default
-    return _tile_length(length, requested)
+    return tile_length(length, requested)
+
+
+def make_config(
+    *,
+    q_len: int,
+    kv_len: int,
+    num_heads: int,
+    kv_heads: int,
+    batch_size: int,
+    scale: float,
+    is_causal: bool = False,
+    window: tuple[int, int | None] | None = None,
+    dropout: bool = False,
+    dropout_shared: tuple[bool, bool] = (False, False),
+    precision: Any = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> Config:
+    """The :class:`Config` of one call: tiles from :func:`tile_length`, masks as a band."""
+    band_lo = band_hi = None
+    if is_causal:
+        band_hi = 0
+    if window is not None:
+        left, right = window
+        band_lo = -int(left)
+        if right is not None:
+            band_hi = int(right) if band_hi is None else min(band_hi, int(right))
+    return Config(
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=_default_tile(q_len, block_q, DEFAULT_BLOCK_Q),
+        block_k=_default_tile(kv_len, block_k, DEFAULT_BLOCK_K),
+        scale=float(scale),
+        band_lo=band_lo,
+        band_hi=band_hi,
+        dropout=dropout,
+        dropout_rows_batch=not dropout_shared[0],
+        dropout_rows_heads=not dropout_shared[1],
+        num_heads=num_heads,
+        kv_heads=kv_heads,
+        batch_size=batch_size,
+        precision=precision,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -100,7 +173,7 @@ def _pick_block(length: int, requested: int | None, default: int) -> int:
 # ----------------------------------------------------------------------------------------
 
 
-def _position_flags(cfg: _Config) -> tuple[np.ndarray, np.ndarray]:
+def _position_flags(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     """Static ``(needed, full)`` ``[nq, nk]`` flags from positions alone (causal, window, padding).
 
     ``needed``: some (query, key) pair of the tile is visible. ``full``: every pair with a
@@ -124,7 +197,7 @@ def _position_flags(cfg: _Config) -> tuple[np.ndarray, np.ndarray]:
     return needed, full & needed
 
 
-def _dynamic_flags(cfg: _Config, aux: dict) -> tuple[Array, Array] | None:
+def _dynamic_flags(cfg: Config, aux: Aux) -> tuple[Array, Array] | None:
     """Per-call ``(needed, full)`` ``[nq, nk]`` from lengths, segment ids and a mask array.
 
     A tile is needed if it is needed for *some* batch element (the loop is shared by the
@@ -137,24 +210,24 @@ def _dynamic_flags(cfg: _Config, aux: dict) -> tuple[Array, Array] | None:
     q_end = jnp.minimum(q_first + bq, cfg.q_len)
     k_first = jnp.arange(nk) * bk
     k_end = jnp.minimum(k_first + bk, cfg.kv_len)
-    if aux["q_lengths"] is not None:
-        lengths = aux["q_lengths"][:, None]  # [N, 1]
+    if aux.q_lengths is not None:
+        lengths = aux.q_lengths[:, None]  # [N, 1]
         needed.append((q_first[None] < lengths)[:, :, None])
         full.append((q_end[None] <= lengths)[:, :, None])
-    if aux["kv_lengths"] is not None:
-        lengths = aux["kv_lengths"][:, None]
+    if aux.kv_lengths is not None:
+        lengths = aux.kv_lengths[:, None]
         needed.append((k_first[None] < lengths)[:, None, :])
         full.append((k_end[None] <= lengths)[:, None, :])
-    if aux["q_segments"] is not None:
+    if aux.q_segments is not None:
         # [N, n, block] ranges of ids per tile; disjoint ranges share no id.
-        q_ids = aux["q_segments"].reshape(-1, nq, bq)
-        k_ids = aux["kv_segments"].reshape(-1, nk, bk)
+        q_ids = aux.q_segments.reshape(-1, nq, bq)
+        k_ids = aux.kv_segments.reshape(-1, nk, bk)
         q_lo, q_hi = q_ids.min(-1)[:, :, None], q_ids.max(-1)[:, :, None]
         k_lo, k_hi = k_ids.min(-1)[:, None, :], k_ids.max(-1)[:, None, :]
         needed.append((q_lo <= k_hi) & (k_lo <= q_hi))
         full.append((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
-    if aux["mask"] is not None:
-        mask = aux["mask"]  # [Nm, Km, Gm, Lq, Lk]; Lq, Lk are 1 or the padded lengths
+    if aux.mask is not None:
+        mask = aux.mask  # [Nm, Km, Gm, Lq, Lk]; Lq, Lk are 1 or the padded lengths
         nm, km, gm, lq, lk = mask.shape
         tiles = mask.reshape(
             nm, km, gm, nq if lq > 1 else 1, bq if lq > 1 else 1, nk if lk > 1 else 1, -1
@@ -172,7 +245,7 @@ def _dynamic_flags(cfg: _Config, aux: dict) -> tuple[Array, Array] | None:
     return need, ful
 
 
-def _schedule(cfg: _Config, aux: dict) -> _Schedule:
+def _schedule(cfg: Config, aux: Aux) -> _Schedule:
     """Which tiles to compute, and whether each needs an elementwise mask."""
     needed, full = _position_flags(cfg)
     dynamic = _dynamic_flags(cfg, aux)
@@ -181,7 +254,7 @@ def _schedule(cfg: _Config, aux: dict) -> _Schedule:
         full = jnp.asarray(full) & dynamic[1] & needed
     # Causal / window / length masks leave, in each row of tiles, one run of needed tiles
     # with one run of full tiles inside it; segment ids and mask arrays may not.
-    runs = aux["q_segments"] is None and aux["mask"] is None
+    runs = aux.q_segments is None and aux.mask is None
     never_masked = dynamic is None and bool(np.all(full == needed))
     return _Schedule(needed, full, runs, never_masked)
 
@@ -243,12 +316,12 @@ def _first_last(flags, xp):
 # ----------------------------------------------------------------------------------------
 
 
-def _tile_mask(cfg: _Config, aux: dict, i, j) -> Array | None:
+def _tile_mask(cfg: Config, aux: Aux, i, j) -> Array | None:
     """Visible (query, key) pairs of tile ``(i, j)``, broadcastable to ``[N, K, G, bq, bk]``."""
     bq, bk = cfg.block_q, cfg.block_k
-    # [bq, 1] and [1, bk] global positions
-    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    # [1, 1, 1, bq, 1] and [1, 1, 1, 1, bk] global positions
+    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, 1), 3)
+    k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, bk), 4)
     parts = []
     if cfg.band_hi is not None:
         parts.append(k_pos - q_pos <= cfg.band_hi)
@@ -256,28 +329,30 @@ def _tile_mask(cfg: _Config, aux: dict, i, j) -> Array | None:
         parts.append(k_pos - q_pos >= cfg.band_lo)
     if cfg.padded_kv > cfg.kv_len:
         parts.append(k_pos < cfg.kv_len)
-    if aux["q_lengths"] is not None:
+    if aux.q_lengths is not None:
         # [N, 1, 1, bq, 1]
-        parts.append(q_pos < aux["q_lengths"][:, None, None, None, None])
-    if aux["kv_lengths"] is not None:
+        parts.append(q_pos < aux.q_lengths[:, None, None, None, None])
+    if aux.kv_lengths is not None:
         # [N, 1, 1, 1, bk]
-        parts.append(k_pos < aux["kv_lengths"][:, None, None, None, None])
-    if aux["q_segments"] is not None:
-        q_ids = lax.dynamic_slice_in_dim(aux["q_segments"], i * bq, bq, axis=1)
-        k_ids = lax.dynamic_slice_in_dim(aux["kv_segments"], j * bk, bk, axis=1)
+        parts.append(k_pos < aux.kv_lengths[:, None, None, None, None])
+    if aux.q_segments is not None:
+        q_ids = lax.dynamic_slice_in_dim(aux.q_segments, i * bq, bq, axis=1)
+        k_ids = lax.dynamic_slice_in_dim(aux.kv_segments, j * bk, bk, axis=1)
         # [N, 1, 1, bq, bk]
         parts.append((q_ids[:, :, None] == k_ids[:, None, :])[:, None, None])
-    if aux["mask"] is not None:
-        mask = aux["mask"]  # [Nm, Km, Gm, Lq, Lk]
+    if aux.mask is not None:
+        mask = aux.mask  # [Nm, Km, Gm, Lq, Lk]
         if mask.shape[-2] > 1:
             mask = lax.dynamic_slice_in_dim(mask, i * bq, bq, axis=3)
         if mask.shape[-1] > 1:
             mask = lax.dynamic_slice_in_dim(mask, j * bk, bk, axis=4)
         parts.append(mask)
-    return masks_lib.combine_masks(*parts)
+    visible = masks_lib.combine_masks(*parts)
+    # rank 5 explicitly (rank promotion 'raise'): [N|1, K|1, G|1, bq|1, bk|1]
+    return None if visible is None else visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
 
 
-def _dropout_row_keys(cfg: _Config, aux: dict) -> tuple[Array, Array]:
+def _dropout_row_keys(cfg: Config, aux: Aux) -> tuple[Array, Array]:
     """Dropout row keys of every query row, ``[N|1, K|1, G|1, Tq_pad]`` (one Philox call each).
 
     Rows are numbered as in the dense dropout mask ``[batch..., heads, q_len, kv_len]``
@@ -298,10 +373,10 @@ def _dropout_row_keys(cfg: _Config, aux: dict) -> tuple[Array, Array]:
         row = row + lax.broadcasted_iota(u32, (n, 1, 1, 1), 0) * np.uint32(
             (heads * cfg.q_len) % 2**32
         )
-    return _prng.row_keys(aux["dropout_words"], row)
+    return _prng.row_keys(aux.dropout_words, row)
 
 
-def _tile_keep(cfg: _Config, aux: dict, keys, i, j, key_major: bool = False) -> Array:
+def _tile_keep(cfg: Config, aux: Aux, keys, i, j, key_major: bool = False) -> Array:
     """Dropout keep decisions of tile ``(i, j)``, ``[N|1, K|1, G|1, bq, bk]``.
 
     ``keys`` are :func:`_dropout_row_keys`. With ``key_major`` the tile is laid out
@@ -313,7 +388,7 @@ def _tile_keep(cfg: _Config, aux: dict, keys, i, j, key_major: bool = False) -> 
     col = (j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, bk), 4)).astype(jnp.uint32)
     if key_major:
         tile_keys, col = [_to_key_major(x) for x in tile_keys], _to_key_major(col)
-    return _prng.keep_from_counters(tuple(tile_keys), aux["dropout_threshold"], col)
+    return _prng.keep_from_counters(tuple(tile_keys), aux.dropout_threshold, col)
 
 
 # ----------------------------------------------------------------------------------------
@@ -325,15 +400,17 @@ def _softmax_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _forward(cfg: _Config, q, k, v, aux):
-    """``(out, lse)``: out ``[N, K, G, Tq_pad, Dv]`` in q's dtype, lse ``[N, K, G, Tq_pad]``."""
+def forward(cfg: Config, q, k, v, aux: Aux):
+    """``(out, lse)`` of one call: ``q [N, K, G, Tq_pad, D]``, ``k, v [N, K, Tk_pad, D]`` in,
+    out ``[N, K, G, Tq_pad, Dv]`` in q's dtype and lse ``[N, K, G, Tq_pad]`` (large negative
+    for rows that see no key) out."""
     n, k_heads, groups, _, _ = q.shape
     dv = v.shape[-1]
     bq, bk = cfg.block_q, cfg.block_k
     f32 = _softmax_dtype(q.dtype)
     neg = masks_lib.large_negative(f32)
     schedule = _schedule(cfg, aux)
-    keep_scale = None if not cfg.dropout else 1.0 / aux["keep_prob"]
+    keep_scale = None if not cfg.dropout else 1.0 / aux.keep_prob
     drop_keys = _dropout_row_keys(cfg, aux) if cfg.dropout else None
 
     def q_block(_, i):
@@ -388,7 +465,9 @@ def _forward(cfg: _Config, q, k, v, aux):
         # A row that sees no key (row_sum == 0) has acc == 0: its output is exactly zero.
         safe_sum = jnp.where(has_key, row_sum, 1.0)
         out = acc / safe_sum[..., None]
-        lse = jnp.where(has_key, m + jnp.log(safe_sum), 0.0)
+        # A row that sees no key gets a large finite negative (an empty sum); the backward
+        # pass only meets such rows in masked tiles, where their probabilities are zeroed.
+        lse = jnp.where(has_key, m + jnp.log(safe_sum), neg)
         return None, (out.astype(q.dtype), lse)
 
     _, (out, lse) = lax.scan(q_block, None, jnp.arange(cfg.padded_q // bq))
@@ -414,71 +493,86 @@ def _to_key_major(x: Array | None) -> Array | None:
     return jnp.transpose(x, (0, 1, 4, 2, 3))
 
 
-def _backward(cfg: _Config, q, k, v, aux, out, lse, d_out):
+def _tile_grads(cfg: Config, aux: Aux, operands, i, j, masked: bool):
+    """Tile ``(i, j)``'s contributions ``(dq_i, dk_j, dv_j)`` to the gradients.
+
+    ``operands``: ``(q, k_j, v_j, d_out, lse, delta, drop_keys)`` with ``k_j, v_j`` the
+    key block ``j`` ``[N, K, bk, D]``.
+    """
+    q, k_j, v_j, d_out, lse, delta, drop_keys = operands
+    bq = cfg.block_q
+    f32 = _softmax_dtype(q.dtype)
+    scale = jnp.asarray(cfg.scale, f32)
+    mm_dtype = q.dtype  # tile products run in the input dtype, accumulated in f32
+    # [N, K, G, bq, D] and [N, K, 1, G, bq]
+    q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+    do_i = lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
+    lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[:, :, None]
+    delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)[:, :, None]
+    # [N, K, bk, D] x [N, K, G, bq, D] -> [N, K, bk, G, bq]
+    s = jnp.einsum(
+        "nkcd,nkgqd->nkcgq", k_j, q_i, precision=cfg.precision, preferred_element_type=f32
+    )
+    p = jnp.exp(s * scale - lse_i)
+    if masked:
+        visible = _to_key_major(_tile_mask(cfg, aux, i, j))
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
+    # dP~ = (dO V^T)^T : [N, K, bk, Dv] x [N, K, G, bq, Dv] -> [N, K, bk, G, bq]
+    dp = jnp.einsum(
+        "nkcd,nkgqd->nkcgq", v_j, do_i, precision=cfg.precision, preferred_element_type=f32
+    )
+    p_used = p
+    if cfg.dropout:
+        keep = _tile_keep(cfg, aux, drop_keys, i, j, key_major=True)
+        keep_scale = 1.0 / aux.keep_prob
+        p_used = jnp.where(keep, p * keep_scale, 0.0)
+        dp = jnp.where(keep, dp * keep_scale, 0.0)
+    # dV = P~^T dO : [N, K, bk, G, bq] x [N, K, G, bq, Dv] -> [N, K, bk, Dv]
+    dv_j = jnp.einsum(
+        "nkcgq,nkgqd->nkcd",
+        p_used.astype(mm_dtype),
+        do_i,
+        precision=cfg.precision,
+        preferred_element_type=f32,
+    )
+    ds = (p * (dp - delta_i)).astype(mm_dtype)
+    # dK = dS^T Q : [N, K, bk, G, bq] x [N, K, G, bq, D] -> [N, K, bk, D]
+    dk_j = jnp.einsum(
+        "nkcgq,nkgqd->nkcd", ds, q_i, precision=cfg.precision, preferred_element_type=f32
+    )
+    # dQ = dS K : [N, K, bk, G, bq] x [N, K, bk, D] -> [N, K, G, bq, D]
+    dq_i = jnp.einsum(
+        "nkcgq,nkcd->nkgqd", ds, k_j, precision=cfg.precision, preferred_element_type=f32
+    )
+    return dq_i, dk_j, dv_j
+
+
+def backward(cfg: Config, q, k, v, aux: Aux, out, lse, d_out, d_lse=None):
+    """``(dq, dk, dv)`` of one call, given the forward's ``out`` and ``lse`` and the
+    cotangents ``d_out [N, K, G, Tq_pad, Dv]`` and ``d_lse [N, K, G, Tq_pad]`` (or None)."""
     n, k_heads, groups, _, d = q.shape
     bq, bk = cfg.block_q, cfg.block_k
     f32 = _softmax_dtype(q.dtype)
     schedule = _schedule(cfg, aux).transposed()
-    keep_scale = None if not cfg.dropout else 1.0 / aux["keep_prob"]
     drop_keys = _dropout_row_keys(cfg, aux) if cfg.dropout else None
     scale = jnp.asarray(cfg.scale, f32)
-    # [N, K, G, Tq_pad]: rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term.
+    # [N, K, G, Tq_pad]: rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term;
+    # a cotangent of lse = log sum_j exp(s_ij) adds P_ij * d_lse_i to dS_ij.
     delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
-    mm_dtype = q.dtype  # tile products run in the input dtype, accumulated in f32
+    if d_lse is not None:
+        delta = delta - d_lse.astype(f32)
 
     def k_block(dq, j):
         # [N, K, bk, D]
         k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
         v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-
-        def grads(i, masked: bool):
-            """This tile's contributions ``(dq_i, dk_j, dv_j)``."""
-            # [N, K, G, bq, D] and [N, K, 1, G, bq]
-            q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
-            do_i = lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
-            lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[:, :, None]
-            delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)[:, :, None]
-            # [N, K, bk, D] x [N, K, G, bq, D] -> [N, K, bk, G, bq]
-            s = jnp.einsum(
-                "nkcd,nkgqd->nkcgq", k_j, q_i, precision=cfg.precision, preferred_element_type=f32
-            )
-            p = jnp.exp(s * scale - lse_i)
-            if masked:
-                visible = _to_key_major(_tile_mask(cfg, aux, i, j))
-                if visible is not None:
-                    p = jnp.where(visible, p, 0.0)
-            # dP~ = (dO V^T)^T : [N, K, bk, Dv] x [N, K, G, bq, Dv] -> [N, K, bk, G, bq]
-            dp = jnp.einsum(
-                "nkcd,nkgqd->nkcgq", v_j, do_i, precision=cfg.precision, preferred_element_type=f32
-            )
-            p_used = p
-            if cfg.dropout:
-                keep = _tile_keep(cfg, aux, drop_keys, i, j, key_major=True)
-                p_used = jnp.where(keep, p * keep_scale, 0.0)
-                dp = jnp.where(keep, dp * keep_scale, 0.0)
-            # dV = P~^T dO : [N, K, bk, G, bq] x [N, K, G, bq, Dv] -> [N, K, bk, Dv]
-            dv_j = jnp.einsum(
-                "nkcgq,nkgqd->nkcd",
-                p_used.astype(mm_dtype),
-                do_i,
-                precision=cfg.precision,
-                preferred_element_type=f32,
-            )
-            ds = (p * (dp - delta_i)).astype(mm_dtype)
-            # dK = dS^T Q : [N, K, bk, G, bq] x [N, K, G, bq, D] -> [N, K, bk, D]
-            dk_j = jnp.einsum(
-                "nkcgq,nkgqd->nkcd", ds, q_i, precision=cfg.precision, preferred_element_type=f32
-            )
-            # dQ = dS K : [N, K, bk, G, bq] x [N, K, bk, D] -> [N, K, G, bq, D]
-            dq_i = jnp.einsum(
-                "nkcgq,nkcd->nkgqd", ds, k_j, precision=cfg.precision, preferred_element_type=f32
-            )
-            return dq_i, dk_j, dv_j
+        operands = (q, k_j, v_j, d_out, lse, delta, drop_keys)
 
         def tile(i, carry, masked: bool, skip=None):
             dq, dk, dv = carry
             if skip is None:
-                dq_i, dk_j, dv_j = grads(i, masked)
+                dq_i, dk_j, dv_j = _tile_grads(cfg, aux, operands, i, j, masked)
             else:
                 # The branch returns only this tile's small contributions; dq (a [T, D]
                 # buffer) is updated outside it, so it stays in place.
@@ -489,7 +583,7 @@ def _backward(cfg: _Config, q, k, v, aux, out, lse, d_out):
                         jnp.zeros(dk.shape, f32),
                         jnp.zeros(dv.shape, f32),
                     ),
-                    lambda: grads(i, masked),
+                    lambda: _tile_grads(cfg, aux, operands, i, j, masked),
                 )
             dq = lax.dynamic_update_slice_in_dim(
                 dq, lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i, i * bq, axis=3
@@ -512,18 +606,19 @@ def _backward(cfg: _Config, q, k, v, aux, out, lse, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Config, q, k, v, aux):
-    return _forward(cfg, q, k, v, aux)[0]
+def _attention(cfg: Config, q, k, v, aux: Aux):
+    return forward(cfg, q, k, v, aux)
 
 
 def _attention_fwd(cfg, q, k, v, aux):
-    out, lse = _forward(cfg, q, k, v, aux)
-    return out, (q, k, v, aux, out, lse)
+    out, lse = forward(cfg, q, k, v, aux)
+    return (out, lse), (q, k, v, aux, out, lse)
 
 
-def _attention_bwd(cfg, residuals, d_out):
+def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, aux, out, lse = residuals
-    dq, dk, dv = _backward(cfg, q, k, v, aux, out, lse, d_out)
+    d_out, d_lse = cotangents
+    dq, dk, dv = backward(cfg, q, k, v, aux, out, lse, d_out, d_lse)
     return dq, dk, dv, jax.tree.map(lambda _: None, aux)
 
 
@@ -531,9 +626,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ----------------------------------------------------------------------------------------
-# Entry point
+# Entry points
 # ----------------------------------------------------------------------------------------
-
 
 def _mask_operand(mask: Array, batch: tuple[int, ...], num_heads: int, k_heads: int, cfg):
     """A boolean mask broadcastable to ``[batch..., H, Tq, Tk]`` as ``[Nm, Km, Gm, Lq, Lk]``.
@@ -606,84 +700,112 @@ def blockwise_attention(
     Returns:
       ``[batch..., q_len, H, Dv]`` in the inputs' dtype.
     """
+    ops = Operands(
+        scale=scale,
+        mask=mask,
+        q_lengths=query_seq_lengths,
+        kv_lengths=key_value_seq_lengths,
+        q_segments=query_segment_ids,
+        kv_segments=key_value_segment_ids,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+    )
+    settings = Settings(
+        is_causal=is_causal, window=local_window, dropout_shared=dropout_shared, precision=precision
+    )
+    return attention(query, key, value, ops, settings, block_q=block_q, block_k=block_k)[0]
+
+
+def attention(
+    query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None
+):
+    """Blockwise attention of a validated call (see :mod:`jattn._call`).
+
+    Returns:
+      ``(out, lse)``: out ``[batch..., q_len, H, Dv]`` in the inputs' dtype; with
+      ``settings.return_residual`` the log-sum-exp ``[batch..., q_len, H]`` (float32+,
+      :func:`jattn.large_negative` for rows that see no key, differentiable), else None.
+    """
     *batch, q_len, num_heads, d = query.shape
     kv_len, k_heads, dv = value.shape[-3:]
-    batch = tuple(batch)
     n = math.prod(batch)
     groups = num_heads // k_heads
-    bq = _pick_block(q_len, block_q, DEFAULT_BLOCK_Q)
-    bk = _pick_block(kv_len, block_k, DEFAULT_BLOCK_K)
-
-    band_lo = band_hi = None
-    if is_causal:
-        band_hi = 0
-    if local_window is not None:
-        left, right = local_window
-        band_lo = -int(left)
-        if right is not None:
-            band_hi = int(right) if band_hi is None else min(band_hi, int(right))
-    dropout = dropout_rng is not None
-    cfg = _Config(
+    cfg = make_config(
         q_len=q_len,
         kv_len=kv_len,
-        block_q=bq,
-        block_k=bk,
-        scale=float(scale),
-        band_lo=band_lo,
-        band_hi=band_hi,
-        dropout=dropout,
-        dropout_rows_batch=not dropout_shared[0],
-        dropout_rows_heads=not dropout_shared[1],
         num_heads=num_heads,
         kv_heads=k_heads,
         batch_size=n,
-        precision=precision,
+        scale=ops.scale,
+        is_causal=settings.is_causal,
+        window=settings.window,
+        dropout=ops.dropout_rng is not None,
+        dropout_shared=settings.dropout_shared,
+        precision=settings.precision,
+        block_q=block_q,
+        block_k=block_k,
     )
-
-    def pad_len(x, axis, size):
-        extra = size - x.shape[axis]
-        if not extra:
-            return x
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return jnp.pad(
-            x, widths, mode="edge" if jnp.issubdtype(x.dtype, jnp.integer) else "constant"
-        )
-
     # [batch..., T, H, D] -> [N, K, G, Tq_pad, D]; keys/values -> [N, K, Tk_pad, D]
     q = query.reshape(n, q_len, k_heads, groups, d).transpose(0, 2, 3, 1, 4)
-    q = pad_len(q, 3, cfg.padded_q)
-    k = pad_len(key.reshape(n, kv_len, k_heads, d).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
-    v = pad_len(value.reshape(n, kv_len, k_heads, dv).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
-
-    aux: dict[str, Any] = {
-        "q_lengths": None,
-        "kv_lengths": None,
-        "q_segments": None,
-        "kv_segments": None,
-        "mask": None,
-        "dropout_words": None,
-        "dropout_threshold": None,
-        "keep_prob": None,
-    }
-    if query_seq_lengths is not None:
-        aux["q_lengths"] = jnp.asarray(query_seq_lengths, jnp.int32).reshape(n)
-    if key_value_seq_lengths is not None:
-        aux["kv_lengths"] = jnp.asarray(key_value_seq_lengths, jnp.int32).reshape(n)
-    if query_segment_ids is not None:
-        q_ids = jnp.asarray(query_segment_ids, jnp.int32).reshape(n, q_len)
-        k_ids = jnp.asarray(key_value_segment_ids, jnp.int32).reshape(n, kv_len)
-        aux["q_segments"] = pad_len(q_ids, 1, cfg.padded_q)
-        aux["kv_segments"] = pad_len(k_ids, 1, cfg.padded_kv)
-    if mask is not None:
-        aux["mask"] = _mask_operand(mask, batch, num_heads, k_heads, cfg)
-    if dropout:
-        keep_prob = 1.0 - dropout_rate
-        aux["dropout_words"] = _prng.key_words(dropout_rng)
-        aux["dropout_threshold"] = _prng.keep_threshold(keep_prob)
-        aux["keep_prob"] = jnp.asarray(keep_prob, _softmax_dtype(query.dtype))
-
-    out = _attention(cfg, q, k, v, aux)
+    q = _pad_len(q, 3, cfg.padded_q)
+    k = _pad_len(key.reshape(n, kv_len, k_heads, d).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
+    v = _pad_len(value.reshape(n, kv_len, k_heads, dv).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
+    aux = _aux(cfg, ops, tuple(batch), query.dtype)
+    try:
+        out, lse = _attention(cfg, q, k, v, aux)
+    except TypeError as e:
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(
+            "jattn's blockwise attention path has a custom VJP (FlashAttention's backward), "
+            "which forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian) cannot go through. "
+            "Pass implementation='dense' to jattn.dot_product_attention (modules: "
+            "attention_implementation='dense'); the automatic rule picks blockwise on CPU "
+            f"from {256} tokens."
+        ) from e
     # [N, K, G, Tq_pad, Dv] -> [batch..., q_len, H, Dv]
-    out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
-    return out.reshape(*batch, q_len, num_heads, dv)
+    out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4).reshape(*batch, q_len, num_heads, dv)
+    if not settings.return_residual:
+        return out, None
+    # [N, K, G, Tq_pad] -> [batch..., q_len, H]
+    lse = lse[..., :q_len].transpose(0, 3, 1, 2).reshape(*batch, q_len, num_heads)
+    return out, lse
+
+
+def _pad_len(x, axis, size):
+    """``x`` padded to ``size`` along ``axis`` (ints repeat their last value, floats get 0)."""
+    extra = size - x.shape[axis]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, mode="edge" if jnp.issubdtype(x.dtype, jnp.integer) else "constant")
+
+
+def _aux(cfg: Config, ops: Operands, batch: tuple[int, ...], dtype) -> Aux:
+    """The call's masks and dropout operands in tile layout."""
+    n = cfg.batch_size
+    aux = Aux()
+    if ops.q_lengths is not None:
+        aux = aux._replace(q_lengths=jnp.asarray(ops.q_lengths, jnp.int32).reshape(n))
+    if ops.kv_lengths is not None:
+        aux = aux._replace(kv_lengths=jnp.asarray(ops.kv_lengths, jnp.int32).reshape(n))
+    if ops.q_segments is not None:
+        q_ids = jnp.asarray(ops.q_segments, jnp.int32).reshape(n, cfg.q_len)
+        k_ids = jnp.asarray(ops.kv_segments, jnp.int32).reshape(n, cfg.kv_len)
+        aux = aux._replace(
+            q_segments=_pad_len(q_ids, 1, cfg.padded_q),
+            kv_segments=_pad_len(k_ids, 1, cfg.padded_kv),
+        )
+    if ops.mask is not None:
+        mask = _mask_operand(ops.mask, batch, cfg.num_heads, cfg.kv_heads, cfg)
+        aux = aux._replace(mask=mask)
+    if cfg.dropout:
+        keep_prob = 1.0 - ops.dropout_rate
+        aux = aux._replace(
+            dropout_words=_prng.key_words(ops.dropout_rng),
+            dropout_threshold=_prng.keep_threshold(keep_prob),
+            keep_prob=jnp.asarray(keep_prob, _softmax_dtype(dtype)),
+        )
+    return aux
+

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jattn import masks
+from jattn import _checks
 
 __all__ = [
     "from_torch_state_dict",
@@ -481,9 +481,9 @@ def split_to_wrapper(
         raise ValueError(
             f"variables['params'] must be MultiHeadAttention params; missing {missing}."
         )
-    num_heads = masks._check_size(num_heads, "num_heads")
+    num_heads = _checks.size(num_heads, "num_heads")
     num_kv_heads = (
-        num_heads if num_kv_heads is None else masks._check_size(num_kv_heads, "num_kv_heads")
+        num_heads if num_kv_heads is None else _checks.size(num_kv_heads, "num_kv_heads")
     )
     d_out = np.shape(params["W_query"]["kernel"])[-1]
     d_kv = np.shape(params["W_key"]["kernel"])[-1]

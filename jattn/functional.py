@@ -1,4 +1,4 @@
-"""Pure attention functions: scores -> weights (mask, float32 softmax, dropout) -> context.
+"""The public attention functions: check the arguments once, pick an implementation, call it.
 
 Shapes follow ``jax.nn.dot_product_attention`` and ``flax.linen.dot_product_attention``:
 query ``[batch..., q_len, num_heads, head_dim]``, key/value
@@ -6,23 +6,22 @@ query ``[batch..., q_len, num_heads, head_dim]``, key/value
 leading batch dims. Masks are boolean (True = attend) and broadcast to
 ``[batch..., num_heads, q_len, kv_len]``.
 
-Nothing here imports a Flax module class: the Linen and NNX modules call in, never the
-other way round (the one exception is a lazy import used only to *sow* weights into a
-module that asked for it).
+The layers below this one (:mod:`jattn.dense`, :mod:`jattn.blockwise`, the accelerator
+kernels) take the validated call as :class:`jattn._call.Operands` (arrays) and
+:class:`jattn._call.Settings` (static options) and re-check nothing. Nothing here
+imports Flax (the dense path imports it lazily only to *sow* weights into a module).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jattn import _prng, blockwise
-from jattn import masks as masks_lib
+from jattn import _checks, _prng, _routing, dense
+from jattn._call import DenseExtras, Operands, Settings
 
 __all__ = [
     "dot_product_attention",
@@ -34,563 +33,118 @@ __all__ = [
 
 Array = jax.Array
 BroadcastDropout = bool | Literal["batch", "heads"]
-Implementation = Literal["dense", "blockwise"]
-
-
-# ----------------------------------------------------------------------------------------
-# Validation helpers: every public entry point fails here, with a message naming the
-# argument and the fix, rather than deep inside an einsum.
-# ----------------------------------------------------------------------------------------
-
-
-def _as_float_array(x, name: str) -> Array:
-    if x is None:
-        raise TypeError(f"{name} is required, got None.")
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"{name} must have a floating dtype (float32, bfloat16, float16, ...), got "
-            f"{x.dtype}. Token ids must go through an embedding first; cast other arrays "
-            f"with `.astype(jnp.float32)`."
-        )
-    return x
-
-
-def _check_rate(rate, name: str = "dropout_rate") -> None:
-    if isinstance(rate, jax.core.Tracer):
-        return  # a traced rate cannot be checked; the caller chose it
-    if not isinstance(rate, numbers.Real) and not (
-        isinstance(rate, (np.ndarray, jax.Array)) and np.ndim(rate) == 0
-    ):
-        raise TypeError(f"{name} must be a float in [0, 1), got {type(rate).__name__}.")
-    rate = float(rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(
-            f"{name} must be in [0, 1), got {rate}. It is the probability of *dropping* a "
-            "weight; use deterministic=True (or rate 0) to switch dropout off."
-        )
-
-
-def _check_qkv(query, key, value) -> tuple[Array, Array, Array]:
-    query = _as_float_array(query, "query")
-    key = _as_float_array(key, "key")
-    value = _as_float_array(value, "value")
-    expected = "[batch..., length, num_heads, head_dim]"
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim < 3:
-            raise ValueError(
-                f"{name} must have shape {expected} (rank >= 3), got shape {x.shape}. "
-                "Split heads first: x.reshape(*x.shape[:-1], num_heads, head_dim)."
-            )
-    if not query.ndim == key.ndim == value.ndim:
-        raise ValueError(
-            f"query, key and value must have the same rank, got shapes {query.shape}, "
-            f"{key.shape} and {value.shape}."
-        )
-    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
-        raise ValueError(
-            f"query, key and value must share batch dims, got {query.shape[:-3]}, "
-            f"{key.shape[:-3]} and {value.shape[:-3]} (shapes {query.shape}, {key.shape}, "
-            f"{value.shape})."
-        )
-    if key.shape[-3:-1] != value.shape[-3:-1]:
-        raise ValueError(
-            f"key and value must have the same length and number of heads, got shapes "
-            f"{key.shape} and {value.shape}."
-        )
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(
-            f"query and key must have the same head_dim (last axis), got {query.shape[-1]} "
-            f"and {key.shape[-1]}."
-        )
-    num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"the number of query heads ({num_heads}) must be a multiple of the number of "
-            f"key/value heads ({num_kv_heads}) for grouped-query attention."
-        )
-    if 0 in query.shape[-3:] or 0 in key.shape[-3:]:
-        raise ValueError(
-            f"lengths, heads and head_dim must be >= 1, got query {query.shape} and key "
-            f"{key.shape}."
-        )
-    return query, key, value
-
-
-def _check_broadcast(x: Array, target: tuple[int, ...], name: str) -> None:
-    try:
-        ok = np.broadcast_shapes(x.shape, target) == tuple(target)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"{name} of shape {x.shape} does not broadcast to the attention logits shape "
-            f"[batch..., num_heads, q_len, kv_len] = {tuple(target)}. Add singleton axes "
-            f"(e.g. {name}[:, None, :, :]) for the dims it does not vary over."
-        )
-
-
-def _compute_dtype(dtype, *arrays: Array):
-    if dtype is None:
-        return jnp.result_type(*arrays)
-    return masks_lib._check_float_dtype(dtype, "dtype")
-
-
-def _check_scale(scale) -> None:
-    if scale is None or isinstance(scale, jax.core.Tracer):
-        return  # the default, or a traced scalar (checked for shape below when it is an array)
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be a finite number, got {scale}.")
-        return
-    if isinstance(scale, (np.ndarray, jax.Array)) and np.ndim(scale) == 0:
-        if not jnp.issubdtype(scale.dtype, jnp.floating):
-            raise TypeError(f"scale must be a float, got an array of dtype {scale.dtype}.")
-        return
-    raise TypeError(
-        f"scale must be a number (the logit multiplier, default 1/sqrt(head_dim)) or a scalar "
-        f"array, got {type(scale).__name__} {np.shape(scale) if hasattr(scale, 'shape') else ''}."
-    )
-
-
-def _check_flag(value, name: str) -> None:
-    # A traced or array flag would fail later as an obscure tracer-to-bool error.
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a Python bool (a static option), got {value!r}.")
-
-
-def _check_options(dropout_rate, scale, is_causal, broadcast_dropout) -> None:
-    """The scalar options both attention entry points share."""
-    _check_rate(dropout_rate)
-    _check_scale(scale)
-    _check_flag(is_causal, "is_causal")
-    _dropout_shared(broadcast_dropout)  # validates it even when dropout is off
-
-
-def _softmax_dtype(dtype):
-    # Softmax runs in at least float32, whatever the input dtype (float64 stays float64).
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-# ----------------------------------------------------------------------------------------
-# Masks and dropout
-# ----------------------------------------------------------------------------------------
-
-
-def _mask_spec(
-    mask,
-    *,
-    logits_shape: tuple[int, ...],
-    query_seq_lengths,
-    key_value_seq_lengths,
-    local_window_size,
-    query_segment_ids=None,
-    key_value_segment_ids=None,
-) -> dict[str, Any]:
-    """Validates every masking option and returns them normalised (no [T, S] array is built).
-
-    Returns a dict with ``mask`` (bool, broadcastable to the logits, or None), ``window``
-    (``(left, right)`` or None), ``q_lengths`` / ``kv_lengths`` (int ``[batch...]`` or None)
-    and ``q_segments`` / ``kv_segments`` (int ``[batch..., length]`` or None).
-    """
-    q_len, kv_len = logits_shape[-2:]
-    batch_shape = logits_shape[:-3]
-    spec: dict[str, Any] = dict.fromkeys(
-        ("mask", "window", "q_lengths", "kv_lengths", "q_segments", "kv_segments")
-    )
-    if mask is not None:
-        try:
-            mask = jnp.asarray(mask)
-        except TypeError:
-            raise TypeError(
-                f"mask must be a boolean array (True = attend), got {type(mask).__name__} "
-                f"{mask!r:.40}. Build one with jattn.causal_mask, or use is_causal=True."
-            ) from None
-        if mask.dtype != jnp.bool_:
-            if not (
-                jnp.issubdtype(mask.dtype, jnp.integer) or jnp.issubdtype(mask.dtype, jnp.floating)
-            ):
-                raise TypeError(f"mask must be boolean (True = attend), got dtype {mask.dtype}.")
-            # flax builds float 0/1 masks (nn.make_attention_mask); nonzero = attend.
-            mask = mask != 0
-        _check_broadcast(mask, logits_shape, "mask")
-        spec["mask"] = mask
-    if local_window_size is not None:
-        if isinstance(local_window_size, numbers.Integral):
-            left, right = int(local_window_size), int(local_window_size)
-        else:
-            try:
-                left, right = local_window_size
-            except (TypeError, ValueError):
-                raise TypeError(
-                    "local_window_size must be an int or a (left, right) pair of ints, got "
-                    f"{local_window_size!r}."
-                ) from None
-        # Validated (and checked to be ints) by the mask builder itself.
-        masks_lib.sliding_window_mask(1, 1, window_left=left, window_right=right)
-        spec["window"] = (left, right)
-    for name, lengths, field in (
-        ("query_seq_lengths", query_seq_lengths, "q_lengths"),
-        ("key_value_seq_lengths", key_value_seq_lengths, "kv_lengths"),
-    ):
-        if lengths is None:
-            continue
-        lengths = jnp.asarray(lengths)
-        if lengths.shape != batch_shape:
-            raise ValueError(
-                f"{name} must have the batch shape {batch_shape} (one length per sequence), "
-                f"got shape {lengths.shape}."
-            )
-        if not jnp.issubdtype(lengths.dtype, jnp.integer):
-            raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}.")
-        limit = q_len if field == "q_lengths" else kv_len
-        if not isinstance(lengths, jax.core.Tracer) and lengths.size:
-            # numpy: under jit a concrete (closed-over) array's jnp.min would be traced.
-            values = np.asarray(lengths)
-            low, high = int(values.min()), int(values.max())
-            if low < 0 or high > limit:
-                raise ValueError(
-                    f"{name} must be in [0, {limit}] (the padded length), got values from {low} "
-                    f"to {high}."
-                )
-        spec[field] = lengths
-    if key_value_segment_ids is not None and query_segment_ids is None:
-        raise ValueError(
-            "key_value_segment_ids needs query_segment_ids too (the segment of each query)."
-        )
-    if query_segment_ids is not None:
-        if key_value_segment_ids is None:
-            if q_len != kv_len:
-                raise ValueError(
-                    f"key_value_segment_ids is required when q_len ({q_len}) != kv_len "
-                    f"({kv_len}); query_segment_ids stands for both only in self-attention."
-                )
-            key_value_segment_ids = query_segment_ids
-        for name, ids, length in (
-            ("query_segment_ids", query_segment_ids, q_len),
-            ("key_value_segment_ids", key_value_segment_ids, kv_len),
-        ):
-            ids = jnp.asarray(ids)
-            if not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise TypeError(f"{name} must hold integers, got dtype {ids.dtype}.")
-            if ids.shape != (*batch_shape, length):
-                raise ValueError(
-                    f"{name} must have shape [batch..., length] = {(*batch_shape, length)}, "
-                    f"got {ids.shape}."
-                )
-            spec["q_segments" if name == "query_segment_ids" else "kv_segments"] = ids
-    return spec
-
-
-def _build_mask(spec: dict[str, Any], *, logits_shape: tuple[int, ...], is_causal: bool):
-    """Combines a :func:`_mask_spec` and ``is_causal`` into one bool mask broadcastable to the logits."""
-    q_len, kv_len = logits_shape[-2:]
-    parts = [spec["mask"]]
-    if is_causal:
-        parts.append(masks_lib.causal_mask(q_len, kv_len))
-    if spec["window"] is not None:
-        left, right = spec["window"]
-        parts.append(
-            masks_lib.sliding_window_mask(q_len, kv_len, window_left=left, window_right=right)
-        )
-    if spec["q_lengths"] is not None:
-        valid = masks_lib.lengths_to_valid(spec["q_lengths"], q_len)
-        parts.append(masks_lib.padding_mask(query_valid=valid))
-    if spec["kv_lengths"] is not None:
-        valid = masks_lib.lengths_to_valid(spec["kv_lengths"], kv_len)
-        parts.append(masks_lib.padding_mask(key_valid=valid))
-    if spec["q_segments"] is not None:
-        parts.append(masks_lib.segment_mask(spec["q_segments"], spec["kv_segments"]))
-    return masks_lib.combine_masks(*parts)
-
-
-def _keep_mask(rng: Array, keep_prob: float, shape: tuple[int, ...]) -> Array:
-    """Boolean keep-mask, True with probability ``keep_prob``, drawn from ``rng`` alone.
-
-    Every dropout in jattn draws here, or tile by tile from the same generator in the
-    blockwise path (:mod:`jattn._prng`: Philox-4x32-10 counters at each element's
-    position, keyed by words derived from ``rng``), so both paths drop the same weights.
-    """
-    return _prng.keep_mask(rng, keep_prob, shape)
-
-
-def _check_rng(rng, argument: str) -> None:
-    if rng is None:
-        raise ValueError(
-            f"dropout is active (rate > 0 and deterministic=False) but no random key was "
-            f"given. Pass `{argument}=jax.random.key(seed)` (Linen modules: "
-            "`rngs={'dropout': key}`; NNX: `rngs=nnx.Rngs(dropout=seed)`), or set "
-            "`deterministic=True` for inference."
-        )
-    dtype = getattr(rng, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        single = rng.shape == ()
-    else:  # legacy raw key data: uint32 [2] (threefry) or [4] (rbg)
-        single = dtype == jnp.uint32 and np.ndim(rng) == 1
-    if not single:
-        got = f"{type(rng).__name__}" if dtype is None else f"dtype {dtype}, shape {rng.shape}"
-        raise TypeError(
-            f"{argument} must be one jax.random key (jax.random.key(seed), or a legacy "
-            f"jax.random.PRNGKey(seed)), got {got}. For a batch of keys, jax.vmap the call."
-        )
-
-
-def dropout(
-    x,
-    rate: float,
-    *,
-    rng: Array | None = None,
-    deterministic: bool = False,
-    broadcast_dims: tuple[int, ...] = (),
-) -> Array:
-    """Inverted dropout: zeroes each element with probability ``rate`` and scales the rest by ``1/(1-rate)``.
-
-    Args:
-      x: float array of any shape.
-      rate: drop probability in [0, 1).
-      rng: a ``jax.random`` key; required unless ``deterministic`` or ``rate == 0``.
-      deterministic: if True, return ``x`` unchanged (inference).
-      broadcast_dims: axes along which one mask is shared (as in ``flax.linen.Dropout``).
-
-    Returns:
-      An array like ``x``.
-    """
-    _check_rate(rate, "rate")
-    x = _as_float_array(x, "x")
-    if deterministic or (not isinstance(rate, jax.core.Tracer) and float(rate) == 0.0):
-        return x
-    _check_rng(rng, "rng")
-    shape = list(x.shape)
-    for d in broadcast_dims:
-        if not -x.ndim <= d < x.ndim:
-            raise ValueError(
-                f"broadcast_dims {tuple(broadcast_dims)} name an axis outside x's {x.ndim} axes "
-                f"(shape {x.shape})."
-            )
-        shape[d] = 1
-    keep_prob = 1.0 - rate
-    keep = _keep_mask(rng, keep_prob, tuple(shape))
-    return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros((), x.dtype))
-
-
-def _dropout_shared(broadcast_dropout: BroadcastDropout) -> tuple[bool, bool]:
-    """``(over_batch, over_heads)``: which axes share one dropout mask."""
-    if broadcast_dropout is True:
-        return True, True  # one mask for every example and head
-    if broadcast_dropout is False:
-        return False, False  # independent, as torch.nn.Dropout in the book
-    if broadcast_dropout == "batch":
-        return True, False
-    if broadcast_dropout == "heads":
-        return False, True
-    raise ValueError(
-        f"broadcast_dropout must be True, False, 'batch' or 'heads', got {broadcast_dropout!r}."
-    )
-
-
-def _dropout_shape(weights_shape, n_batch: int, broadcast_dropout: BroadcastDropout):
-    batch, heads, rest = weights_shape[:n_batch], weights_shape[n_batch], weights_shape[-2:]
-    over_batch, over_heads = _dropout_shared(broadcast_dropout)
-    batch = (1,) * n_batch if over_batch else tuple(batch)
-    return (*batch, 1 if over_heads else heads, *rest)
-
-
-# ----------------------------------------------------------------------------------------
-# Attention
-# ----------------------------------------------------------------------------------------
-
-
-def _logits_shape(query: Array, key: Array) -> tuple[int, ...]:
-    *batch, q_len, num_heads, _ = query.shape
-    return (*batch, num_heads, q_len, key.shape[-3])
-
-
-def _check_bias(bias, logits_shape: tuple[int, ...]) -> Array | None:
-    if bias is None:
-        return None
-    bias = jnp.asarray(bias)
-    if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"bias must be a float array, got dtype {bias.dtype}.")
-    _check_broadcast(bias, logits_shape, "bias")
-    return bias
-
-
-def _attention_weights(query, key, bias, spec, *, is_causal, scale, dtype, precision):
-    """Softmax weights ``[batch..., H, T, S]`` in float32 (or wider), no dropout.
-
-    ``bias`` and ``spec`` come validated from :func:`_check_bias` and :func:`_mask_spec`.
-    """
-    n_batch = query.ndim - 3
-    *batch, q_len, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[-2]
-    groups = num_heads // num_kv_heads
-    logits_shape = _logits_shape(query, key)
-    sm_dtype = _softmax_dtype(dtype)
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-
-    # [batch..., K, G, T, D]: query heads grouped by the key/value head they share, moved
-    # before T (a small copy) so that the product below comes out as [.., T, S] without a
-    # transpose of the [T, S] matrix.
-    q_grouped = jnp.moveaxis(query.reshape(*batch, q_len, num_kv_heads, groups, head_dim), -4, -2)
-    # [batch..., K, G, T, D] x [batch..., K, S, D] -> [batch..., K, G, T, S] -> [batch..., H, T, S]
-    # (head h = k * G + g, as jax.nn)
-    logits = jnp.einsum(
-        "...kgtd,...ksd->...kgts",
-        q_grouped,
-        jnp.moveaxis(key, -3, -2),
-        precision=precision,
-        preferred_element_type=sm_dtype,
-    ).reshape(logits_shape)
-    logits = logits * jnp.asarray(scale, sm_dtype)
-
-    if bias is not None:
-        logits = logits + bias.astype(sm_dtype)
-
-    combined = _build_mask(spec, logits_shape=logits_shape, is_causal=is_causal)
-    if combined is None:
-        return jax.nn.softmax(logits, axis=-1), n_batch
-
-    # A large *finite* negative: exp() underflows to exactly 0 and nothing becomes NaN.
-    logits = jnp.where(combined, logits, masks_lib.large_negative(sm_dtype))
-    weights = jax.nn.softmax(logits, axis=-1)
-    # A query that may attend nothing gets zero weights (and so zero output), like
-    # PyTorch's scaled_dot_product_attention, instead of a uniform average over hidden keys.
-    # The `where` also stops gradients through such rows, so they are exactly zero.
-    row_has_key = jnp.any(combined, axis=-1, keepdims=True)
-    weights = jnp.where(row_has_key, weights, jnp.zeros((), sm_dtype))
-    return weights, n_batch
-
-
-def _maybe_sow(module, weights: Array) -> None:
-    if module is None:
-        return
-    from flax import nnx  # lazy: only a module that asked for its weights pays for this
-
-    if isinstance(module, nnx.Module):
-        module.sow(nnx.Intermediate, "attention_weights", weights)
-    else:
-        module.sow("intermediates", "attention_weights", weights)
-
-
-def dot_product_attention_weights(
-    query,
-    key,
-    bias=None,
-    mask=None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size: int | tuple[int, int] | None = None,
-    query_segment_ids=None,
-    key_value_segment_ids=None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    deterministic: bool = False,
-    broadcast_dropout: BroadcastDropout = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
-    force_fp32_for_softmax: bool = True,
-) -> Array:
-    """Attention weights ``softmax(q kᵀ * scale + bias, masked)`` with optional dropout.
-
-    Takes the same arguments as :func:`dot_product_attention` (without ``value`` and
-    ``implementation``: the weights are the dense ``[q_len, kv_len]`` matrix) and
-    returns the weights ``[batch..., num_heads, q_len, kv_len]`` in the computation
-    dtype, after dropout when dropout is active. Rows sum to 1, except fully masked
-    rows, which are all zeros.
-    """
-    del force_fp32_for_softmax  # accepted for flax compatibility; the softmax is always fp32+
-    _check_options(dropout_rate, scale, is_causal, broadcast_dropout)
-    query = _as_float_array(query, "query")
-    key = _as_float_array(key, "key")
-    query, key, _ = _check_qkv(query, key, key)
-    dtype = _compute_dtype(dtype, query, key)
-    query, key = query.astype(dtype), key.astype(dtype)
-    logits_shape = _logits_shape(query, key)
-    bias = _check_bias(bias, logits_shape)
-    spec = _mask_spec(
-        mask,
-        logits_shape=logits_shape,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        query_segment_ids=query_segment_ids,
-        key_value_segment_ids=key_value_segment_ids,
-    )
-    weights, n_batch = _attention_weights(
-        query, key, bias, spec, is_causal=is_causal, scale=scale, dtype=dtype, precision=precision
-    )
-    _maybe_sow(module, weights.astype(dtype))
-    weights = _apply_weight_dropout(
-        weights, n_batch, dropout_rate, dropout_rng, deterministic, broadcast_dropout
-    )
-    return weights.astype(dtype)
+Implementation = Literal["dense", "xla", "blockwise", "cudnn", "pallas_triton", "splash"]
 
 
 def _dropout_active(rate, deterministic: bool) -> bool:
     return not (deterministic or (not isinstance(rate, jax.core.Tracer) and float(rate) == 0.0))
 
 
-def _apply_weight_dropout(weights, n_batch, rate, rng, deterministic, broadcast_dropout):
-    if not _dropout_active(rate, deterministic):
-        return weights
-    _check_rng(rng, "dropout_rng")
-    keep_prob = 1.0 - rate
-    keep = _keep_mask(rng, keep_prob, _dropout_shape(weights.shape, n_batch, broadcast_dropout))
-    return jnp.where(keep, weights / jnp.asarray(keep_prob, weights.dtype), 0.0).astype(
-        weights.dtype
+def _cast_inputs(arrays, dtype, promote_dtype):
+    """The inputs in the computation dtype: ``dtype``, or their promoted dtype.
+
+    ``promote_dtype`` (flax NNX's hook) does the casting when given, as in flax.
+    """
+    if promote_dtype is not None:
+        if not callable(promote_dtype):
+            raise TypeError(
+                f"promote_dtype must be a function (args, dtype=...) -> args, as flax's "
+                f"nnx.nn.dtypes.promote_dtype, got {type(promote_dtype).__name__}."
+            )
+        arrays = tuple(promote_dtype(tuple(arrays), dtype=dtype))
+        names = ("query", "key", "value")[: len(arrays)]
+        arrays = tuple(_checks.float_array(x, n) for x, n in zip(arrays, names, strict=True))
+        if len({x.dtype for x in arrays}) != 1:
+            raise TypeError(
+                "promote_dtype must return arrays of one dtype, got "
+                f"{[str(x.dtype) for x in arrays]}."
+            )
+        return arrays
+    dtype = jnp.result_type(*arrays) if dtype is None else _checks.float_dtype(dtype, "dtype")
+    return tuple(x.astype(dtype) for x in arrays)
+
+
+def _operands_and_settings(
+    logits_shape, *, scale, head_dim, bias, mask, is_causal, query_seq_lengths,
+    key_value_seq_lengths, local_window_size, query_segment_ids, key_value_segment_ids,
+    dropout_rate, dropout_rng, deterministic, broadcast_dropout, precision, return_residual,
+):  # fmt: skip
+    """Validates every option of a call and returns its :class:`Operands` and :class:`Settings`."""
+    _checks.rate(dropout_rate)
+    _checks.scale(scale)
+    _checks.flag(is_causal, "is_causal")
+    _checks.flag(return_residual, "return_residual")
+    shared = _checks.broadcast_dropout(broadcast_dropout)  # validated even when dropout is off
+    batch, q_len, kv_len = logits_shape[:-3], logits_shape[-2], logits_shape[-1]
+    q_segments, kv_segments = _checks.segment_ids(
+        query_segment_ids, key_value_segment_ids, batch, q_len, kv_len
     )
+    dropout_on = _dropout_active(dropout_rate, deterministic)
+    if dropout_on:
+        _checks.rng(dropout_rng, "dropout_rng")
+    ops = Operands(
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        bias=_checks.bias(bias, logits_shape),
+        mask=_checks.mask(mask, logits_shape),
+        q_lengths=_checks.seq_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len),
+        kv_lengths=_checks.seq_lengths(
+            key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len
+        ),
+        q_segments=q_segments,
+        kv_segments=kv_segments,
+        dropout_rate=dropout_rate if dropout_on else 0.0,
+        dropout_rng=dropout_rng if dropout_on else None,
+    )
+    settings = Settings(
+        is_causal=bool(is_causal),
+        window=(
+            None
+            if local_window_size is None
+            else _checks.window(local_window_size, open_right=True)
+        ),
+        dropout_shared=shared,
+        precision=precision,
+        return_residual=bool(return_residual),
+    )
+    return ops, settings
 
 
-# The automatic rule's thresholds. On CPU the blockwise path is used when q_len and kv_len
-# are both at least _AUTO_MIN_LEN: from there on it measured faster, below it dense was as
-# fast or faster (benchmarks/results.md), and one-query decoding stays dense. Elsewhere
-# (GPU/TPU, not measured here) dense is kept unless its [q_len, kv_len] logits per
-# (batch, head) reach _AUTO_DENSE_MAX_SCORES elements.
-_AUTO_MIN_LEN = 256
-_AUTO_DENSE_MAX_SCORES = 4096 * 4096
-
-
-def _blockwise_obstacle(bias, scale, module, return_weights) -> str | None:
-    """Why the blockwise path cannot serve this call (None: it can)."""
-    if return_weights or module is not None:
-        return "return_weights=True and module= need the full [q_len, kv_len] weight matrix"
-    if bias is not None:
-        return "a bias array is added densely (it is [q_len, kv_len] already)"
-    if scale is not None and not isinstance(scale, numbers.Real):
-        return f"scale must be a Python number for it, got {type(scale).__name__}"
-    return None
-
-
-def _check_implementation(implementation, name: str = "implementation") -> None:
-    """The one list of implementations (the core's argument, the modules' attribute)."""
-    if implementation not in (None, "dense", "blockwise"):
+def _dense_extras(
+    *, dtype, return_weights, module, force_fp32_for_softmax, precision,
+    einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum,
+):  # fmt: skip
+    """Validates the dense-only options (flax's hooks included)."""
+    _checks.flag(return_weights, "return_weights")
+    _checks.flag(force_fp32_for_softmax, "force_fp32_for_softmax")
+    hooks = {
+        "einsum_dot_general": einsum_dot_general,
+        "qk_attn_weights_einsum": qk_attn_weights_einsum,
+        "attn_weights_value_einsum": attn_weights_value_einsum,
+    }
+    for name, hook in hooks.items():
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name} must be a function, got {type(hook).__name__}.")
+    if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
         raise ValueError(
-            f"{name} must be None (automatic), 'dense' or 'blockwise', got "
-            f"{implementation!r}. 'dense' is the one forward-mode autodiff (jax.jvp, "
-            "jax.jacfwd) works with; the blockwise path has a custom VJP only."
+            "qk_attn_weights_einsum and attn_weights_value_einsum must be given together "
+            "(as flax requires): one computes the logits, the other weights times values."
         )
-
-
-def _choose_implementation(implementation, *, q_len: int, kv_len: int, obstacle) -> str:
-    _check_implementation(implementation)
-    if implementation == "blockwise" and obstacle is not None:
+    if qk_attn_weights_einsum is not None and (
+        precision is not None or einsum_dot_general is not None
+    ):
         raise ValueError(
-            f"implementation='blockwise' cannot be used here: {obstacle}. Use "
-            "implementation='dense' or None (automatic)."
+            "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum "
+            "are mutually exclusive (as in flax): the einsum hooks decide how the products run."
         )
-    if implementation is not None:
-        return implementation
-    if obstacle is not None:
-        return "dense"
-    if jax.default_backend() == "cpu":
-        return "blockwise" if min(q_len, kv_len) >= _AUTO_MIN_LEN else "dense"
-    return "blockwise" if q_len * kv_len >= _AUTO_DENSE_MAX_SCORES else "dense"
+    return DenseExtras(
+        return_weights=bool(return_weights),
+        module=module,
+        # flax: with force_fp32_for_softmax the weights stay in float32 (returned and sown).
+        weights_dtype=dense.softmax_dtype(dtype) if force_fp32_for_softmax else dtype,
+        qk_einsum=qk_attn_weights_einsum,
+        wv_einsum=attn_weights_value_einsum,
+        dot_general=einsum_dot_general,
+    )
 
 
 def dot_product_attention(
@@ -615,30 +169,39 @@ def dot_product_attention(
     precision: Any = None,
     module: Any = None,
     return_weights: bool = False,
-    force_fp32_for_softmax: bool = True,
+    return_residual: bool = False,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general=None,
+    qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+    promote_dtype=None,
     implementation: Implementation | None = None,
 ):
     """Scaled dot-product attention, ``softmax(q kᵀ / sqrt(head_dim)) v``, with masks and dropout.
 
-    Drop-in for ``jax.nn.dot_product_attention`` (same shapes, masks and mask options)
-    and usable as ``attention_fn`` of ``flax.linen.MultiHeadDotProductAttention`` and
-    ``flax.nnx.MultiHeadAttention`` (it accepts every keyword they pass).
+    Drop-in for ``jax.nn.dot_product_attention`` (same shapes, masks, mask options,
+    ``implementation`` names and ``return_residual``) and for ``flax.linen`` / ``flax.nnx``
+    ``dot_product_attention``, usable as ``attention_fn`` of their attention modules: it
+    takes every keyword they pass and honours each of them.
 
-    Two implementations compute the same function (outputs agree to float32 rounding,
-    ~1e-6, gradients too, and dropout drops the same weights for the same key):
+    Implementations compute the same function (outputs agree to float32 rounding, ~1e-6,
+    gradients too, and dropout drops the same weights for the same key):
 
-    * ``'dense'``: builds the ``[q_len, kv_len]`` weights, masks them and multiplies;
-      memory grows as ``q_len * kv_len``.
+    * ``'dense'`` (``'xla'`` is jax.nn's name for it): builds the ``[q_len, kv_len]``
+      weights, masks them and multiplies; memory grows as ``q_len * kv_len``.
     * ``'blockwise'`` (FlashAttention-style, :mod:`jattn.blockwise`): streams the softmax
       over key blocks, never computes a tile that the causal / window / length /
       segment masks or an all-False tile of ``mask`` hide, and recomputes the tiles in a
-      custom backward pass; memory grows as ``q_len + kv_len``.
+      custom backward pass; memory grows as ``q_len + kv_len``. It has a custom VJP, so
+      forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) needs ``'dense'``.
+    * ``'cudnn'``: jax's cuDNN flash attention, on NVIDIA GPUs only.
 
     ``implementation=None`` (automatic) picks ``'dense'`` when the call needs the weight
-    matrix (``return_weights=True``, ``module=``), adds a ``bias`` array or has a traced
-    ``scale``; otherwise, on CPU, ``'blockwise'`` when ``q_len`` and ``kv_len`` are both at
-    least 256 (where it measured faster, ``benchmarks/results.md``), and on other backends
-    (not measured) ``'blockwise'`` only when ``q_len * kv_len >= 4096**2`` (memory).
+    matrix (``return_weights=True``, ``module=``), adds a ``bias`` array, has a traced
+    ``scale`` or uses flax's einsum hooks; otherwise, on CPU, ``'blockwise'`` when ``q_len``
+    and ``kv_len`` are both at least 256 (where it measured faster, ``benchmarks/results.md``),
+    and on other backends ``'blockwise'`` only when ``q_len * kv_len >= 4096**2`` (memory).
+    Forward-mode autodiff at those lengths needs ``implementation='dense'``.
 
     Args:
       query: ``[batch..., q_len, num_heads, head_dim]``.
@@ -646,7 +209,7 @@ def dot_product_attention(
         of ``num_kv_heads`` (grouped-query / multi-query attention).
       value: ``[batch..., kv_len, num_kv_heads, v_head_dim]``.
       bias: optional float array broadcastable to ``[batch..., num_heads, q_len, kv_len]``,
-        added to the scaled logits (dense implementation only).
+        added to the scaled logits.
       mask: optional boolean array broadcastable to ``[batch..., num_heads, q_len, kv_len]``,
         True = attend. Numeric masks (flax's float 0/1) count nonzero as True.
       is_causal: AND a causal mask (query ``i`` sees keys ``j <= i``, aligned top-left as
@@ -671,95 +234,188 @@ def dot_product_attention(
         for all examples and heads, flax's default), ``'batch'`` (shared across batch dims)
         or ``'heads'`` (shared across heads).
       dtype: computation and output dtype; default: the promoted dtype of q, k, v.
-      precision: ``jax.lax.Precision`` for the two einsums.
+      precision: ``jax.lax.Precision`` for the products.
       module: a Linen or NNX module; when given, the pre-dropout weights are sown into its
         intermediates as ``attention_weights`` (as flax does).
       return_weights: also return the pre-dropout weights ``[batch..., H, q_len, kv_len]``.
-      force_fp32_for_softmax: accepted for flax compatibility; the softmax always runs in
-        float32 (or float64 for float64 inputs).
-      implementation: ``None`` (automatic, above), ``'dense'`` or ``'blockwise'``.
+      return_residual: also return the log-sum-exp of the scaled, masked logits,
+        ``[batch..., q_len, num_heads]`` (jax.nn's layout) in float32 (float64 for float64
+        inputs), differentiable; rows that attend nothing get :func:`jattn.large_negative`.
+      force_fp32_for_softmax: as flax: the weights returned and sown are float32 (the
+        softmax dtype) instead of ``dtype``. The softmax itself always runs in float32
+        (float64 for float64 inputs).
+      einsum_dot_general: flax's hook: the ``dot_general`` of both products (dense path).
+      qk_attn_weights_einsum: flax's hook (e.g. quantized einsums): computes the logits as
+        ``einsum('...qhd,...khd->...hqk', query * scale, key)``; with
+        ``attn_weights_value_einsum``, which computes ``einsum('...hqk,...khd->...qhd',
+        weights, value)`` (dense path; key/value heads are repeated for GQA).
+      attn_weights_value_einsum: see above.
+      promote_dtype: flax NNX's hook: ``promote_dtype((q, k, v), dtype=dtype)`` casts the
+        inputs (default: jattn's promotion, the result dtype of q, k, v, or ``dtype``).
+      implementation: ``None`` (automatic, above), ``'dense'`` / ``'xla'``, ``'blockwise'``
+        or ``'cudnn'``. One that cannot honour the call raises a ValueError saying why.
 
     Returns:
-      ``[batch..., q_len, num_heads, v_head_dim]`` in ``dtype``; with ``return_weights``,
-      ``(output, weights)``. Fully masked query rows give zero output and zero weights,
-      with finite gradients.
+      ``[batch..., q_len, num_heads, v_head_dim]`` in ``dtype``; with ``return_weights``
+      and/or ``return_residual``, a tuple ``(output, weights?, residual?)`` in that order.
+      Fully masked query rows give zero output and zero weights, with finite gradients.
 
     Raises:
-      TypeError: non-float inputs, non-boolean masks of odd dtypes.
+      TypeError: non-float inputs, non-boolean masks of odd dtypes, hooks that are not
+        functions.
       ValueError: shapes that do not match, masks or biases that do not broadcast, a
-        dropout rate outside [0, 1), active dropout without ``dropout_rng``,
-        ``implementation='blockwise'`` with an option only the dense path has.
+        dropout rate outside [0, 1), active dropout without ``dropout_rng``, an
+        ``implementation`` that cannot honour the call.
     """
-    del force_fp32_for_softmax
-    _check_options(dropout_rate, scale, is_causal, broadcast_dropout)
-    query, key, value = _check_qkv(query, key, value)
-    dtype = _compute_dtype(dtype, query, key, value)
-    query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
-    logits_shape = _logits_shape(query, key)
-    bias = _check_bias(bias, logits_shape)
-    spec = _mask_spec(
-        mask,
-        logits_shape=logits_shape,
+    query, key, value = _checks.qkv(query, key, value)
+    query, key, value = _cast_inputs((query, key, value), dtype, promote_dtype)
+    shape = dense.logits_shape(query, key)
+    ops, settings = _operands_and_settings(
+        shape,
+        scale=scale,
+        head_dim=query.shape[-1],
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
         query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids,
-    )
-    chosen = _choose_implementation(
-        implementation,
-        q_len=logits_shape[-2],
-        kv_len=logits_shape[-1],
-        obstacle=_blockwise_obstacle(bias, scale, module, return_weights),
-    )
-    if chosen == "blockwise":
-        dropout_on = _dropout_active(dropout_rate, deterministic)
-        if dropout_on:
-            _check_rng(dropout_rng, "dropout_rng")
-        return blockwise.blockwise_attention(
-            query,
-            key,
-            value,
-            scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
-            is_causal=is_causal,
-            local_window=spec["window"],
-            mask=spec["mask"],
-            query_seq_lengths=spec["q_lengths"],
-            key_value_seq_lengths=spec["kv_lengths"],
-            query_segment_ids=spec["q_segments"],
-            key_value_segment_ids=spec["kv_segments"],
-            dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng if dropout_on else None,
-            dropout_shared=_dropout_shared(broadcast_dropout) if dropout_on else (False, False),
-            precision=precision,
-        )
-
-    weights, n_batch = _attention_weights(
-        query, key, bias, spec, is_causal=is_causal, scale=scale, dtype=dtype, precision=precision
-    )
-    _maybe_sow(module, weights.astype(dtype))
-    dropped = _apply_weight_dropout(
-        weights, n_batch, dropout_rate, dropout_rng, deterministic, broadcast_dropout
-    )
-
-    *batch, q_len, num_heads, _ = query.shape
-    kv_len, num_kv_heads, v_dim = value.shape[-3:]
-    groups = num_heads // num_kv_heads
-    # [batch..., H, T, S] -> [batch..., K, G, T, S]
-    dropped = dropped.astype(dtype).reshape(*batch, num_kv_heads, groups, q_len, kv_len)
-    # [batch..., K, G, T, S] x [batch..., K, S, Dv] -> [batch..., K, G, T, Dv]
-    out = jnp.einsum(
-        "...kgts,...ksd->...kgtd",
-        dropped,
-        jnp.moveaxis(value, -3, -2),
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+        broadcast_dropout=broadcast_dropout,
         precision=precision,
-        preferred_element_type=_softmax_dtype(dtype),
+        return_residual=return_residual,
     )
-    # -> [batch..., T, K, G, Dv] -> [batch..., T, H, Dv]
-    out = jnp.moveaxis(out, -2, -4).reshape(*batch, q_len, num_heads, v_dim).astype(dtype)
-    if return_weights:
-        return out, weights.astype(dtype)
-    return out
+    extras = _dense_extras(
+        dtype=query.dtype,
+        return_weights=return_weights,
+        module=module,
+        force_fp32_for_softmax=force_fp32_for_softmax,
+        precision=precision,
+        einsum_dot_general=einsum_dot_general,
+        qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum,
+    )
+    out, weights, residual = _routing.run(implementation, query, key, value, ops, settings, extras)
+    extra_outputs = [x for x in (weights, residual) if x is not None]
+    return (out, *extra_outputs) if extra_outputs else out
+
+
+def dot_product_attention_weights(
+    query,
+    key,
+    bias=None,
+    mask=None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    deterministic: bool = False,
+    broadcast_dropout: BroadcastDropout = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general=None,
+    promote_dtype=None,
+) -> Array:
+    """Attention weights ``softmax(q kᵀ * scale + bias, masked)`` with optional dropout.
+
+    Takes the same arguments as :func:`dot_product_attention` (without ``value``,
+    ``implementation`` and the value product's hooks: the weights are the dense
+    ``[q_len, kv_len]`` matrix) and returns the weights ``[batch..., num_heads, q_len,
+    kv_len]`` in the computation dtype (float32 with ``force_fp32_for_softmax``, as flax),
+    after dropout when dropout is active. Rows sum to 1, except fully masked rows, which
+    are all zeros.
+    """
+    query, key, _ = _checks.qkv(query, key, key)
+    query, key = _cast_inputs((query, key, key), dtype, promote_dtype)[:2]
+    shape = dense.logits_shape(query, key)
+    ops, settings = _operands_and_settings(
+        shape,
+        scale=scale,
+        head_dim=query.shape[-1],
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        query_segment_ids=query_segment_ids,
+        key_value_segment_ids=key_value_segment_ids,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+        broadcast_dropout=broadcast_dropout,
+        precision=precision,
+        return_residual=False,
+    )
+    extras = _dense_extras(
+        dtype=query.dtype,
+        return_weights=True,
+        module=module,
+        force_fp32_for_softmax=force_fp32_for_softmax,
+        precision=precision,
+        einsum_dot_general=einsum_dot_general,
+        qk_attn_weights_einsum=None,
+        attn_weights_value_einsum=None,
+    )
+    weights, _ = dense.weights_and_lse(query, key, ops, settings, extras)
+    out_dtype = extras.weights_dtype
+    if module is not None:
+        dense.sow(module, weights.astype(out_dtype))
+    return dense.dropout_weights(weights, ops, settings).astype(out_dtype)
+
+
+def dropout(
+    x,
+    rate: float,
+    *,
+    rng: Array | None = None,
+    deterministic: bool = False,
+    broadcast_dims: tuple[int, ...] = (),
+) -> Array:
+    """Inverted dropout: zeroes each element with probability ``rate`` and scales the rest by ``1/(1-rate)``.
+
+    Every dropout in jattn draws its bits from the same generator (:mod:`jattn._prng`:
+    Philox-4x32-10 counters at each element's position, keyed by words derived from
+    ``rng``), so the dense and blockwise paths drop the same weights.
+
+    Args:
+      x: float array of any shape.
+      rate: drop probability in [0, 1).
+      rng: a ``jax.random`` key; required unless ``deterministic`` or ``rate == 0``.
+      deterministic: if True, return ``x`` unchanged (inference).
+      broadcast_dims: axes along which one mask is shared (as in ``flax.linen.Dropout``).
+
+    Returns:
+      An array like ``x``.
+    """
+    _checks.rate(rate, "rate")
+    x = _checks.float_array(x, "x")
+    if not _dropout_active(rate, deterministic):
+        return x
+    _checks.rng(rng, "rng")
+    shape = list(x.shape)
+    for d in broadcast_dims:
+        if not -x.ndim <= d < x.ndim:
+            raise ValueError(
+                f"broadcast_dims {tuple(broadcast_dims)} name an axis outside x's {x.ndim} axes "
+                f"(shape {x.shape})."
+            )
+        shape[d] = 1
+    keep_prob = 1.0 - rate
+    keep = _prng.keep_mask(rng, keep_prob, tuple(shape))
+    return jnp.where(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros((), x.dtype))
 
 
 # ----------------------------------------------------------------------------------------
@@ -769,7 +425,7 @@ def dot_product_attention(
 
 
 def _check_tokens(inputs) -> Array:
-    inputs = _as_float_array(inputs, "inputs")
+    inputs = _checks.float_array(inputs, "inputs")
     if inputs.ndim < 2:
         raise ValueError(
             f"inputs must have shape [batch..., num_tokens, d] (rank >= 2), got {inputs.shape}."
@@ -811,6 +467,6 @@ def simplified_self_attention(inputs, *, return_weights: bool = False):
     """
     inputs = _check_tokens(inputs)
     scores = jnp.einsum("...td,...sd->...ts", inputs, inputs)
-    weights = jax.nn.softmax(scores.astype(_softmax_dtype(inputs.dtype)), axis=-1)
+    weights = jax.nn.softmax(scores.astype(dense.softmax_dtype(inputs.dtype)), axis=-1)
     context = jnp.einsum("...ts,...sd->...td", weights.astype(inputs.dtype), inputs)
     return (context, weights) if return_weights else context

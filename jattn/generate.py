@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import kvcache
+from jattn import _checks, kvcache
 from jattn import masks as masks_lib
 
 __all__ = [
@@ -150,7 +150,7 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
             f"prompt holds negative token ids (smallest {int(smallest)}); token ids are in "
             "[0, vocab_size)."
         )
-    masks_lib._check_size(max_new_tokens, "max_new_tokens")
+    _checks.size(max_new_tokens, "max_new_tokens")
     batch, prompt_len = prompt.shape
     if prompt_lengths is None:
         lengths = jnp.full((batch,), prompt_len, jnp.int32)
@@ -294,7 +294,7 @@ def _generate_recompute(
 
     buffer = jax.lax.fori_loop(0, max_new_tokens, step, buffer)
     # [B, N]: each row's continuation, starting right after its real prompt.
-    cols = lengths[:, None] + jnp.arange(max_new_tokens)
+    cols = lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
     return jnp.take_along_axis(buffer, cols, axis=1)
 
 

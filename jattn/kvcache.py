@@ -21,16 +21,19 @@ contiguous and the next chunk continues right after its last real token.
 **The mask** of query ``t`` of row ``b``, at absolute position ``p = lengths[b] + t``
 (``lengths`` before the append): key ``j`` is visible iff ``j <= p`` (causal, aligned
 bottom-right per row) and ``j < lengths_after[b]`` (written keys only), and
-``j >= p - window`` with a sliding window. Padding queries (``t >= num_new[b]``) attend
-nothing: zero output, as :func:`jattn.dot_product_attention` gives fully masked rows.
+``p - left <= j <= p + right`` with a sliding window ``local_window_size``. Padding
+queries (``t >= num_new[b]``) attend nothing: zero output, as
+:func:`jattn.dot_product_attention` gives fully masked rows.
 All shapes are fixed (the key axis is always ``capacity``), so a jitted decode step
 compiles once, whatever the lengths.
 
-**Capacity.** When the lengths are concrete (eager calls), a chunk that does not fit
-raises a ValueError before anything is written. Under ``jax.jit`` the lengths are traced
-and nothing can raise; there the behaviour is defined and safe: tokens past ``capacity``
-are *not written* (existing keys are never overwritten), ``lengths`` stops at
-``capacity``, and the queries of those tokens attend nothing (zero attention output).
+**Capacity.** When the lengths can be read without a device-to-host copy (eager calls on
+CPU), a chunk that does not fit raises a ValueError before anything is written. Under
+``jax.jit`` the lengths are traced and nothing can raise (and on GPU/TPU an eager check
+would block on a copy at every step, so there is none either); there the behaviour is
+defined and safe: tokens past ``capacity`` are *not written* (existing keys are never
+overwritten), ``lengths`` stops at ``capacity``, and the queries of those tokens attend
+nothing (zero attention output).
 :func:`fits` gives the per-row answer as an array, for ``checkify.check`` or a
 ``lax.cond`` inside jitted code.
 """
@@ -43,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import functional
+from jattn import _checks, functional
 from jattn import masks as masks_lib
 
 __all__ = [
@@ -76,10 +79,6 @@ class KVCache(NamedTuple):
     keys: Array
     values: Array
     lengths: Array
-
-
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
 
 
 def capacity(cache: KVCache) -> int:
@@ -117,12 +116,12 @@ def init_cache(
             f"batch_shape must be an int or a tuple of ints (the batch dims), got {batch_shape!r}."
         ) from None
     for i, d in enumerate(batch_shape):
-        masks_lib._check_size(d, f"batch_shape[{i}]")
-    capacity = masks_lib._check_size(capacity, "capacity")
-    num_kv_heads = masks_lib._check_size(num_kv_heads, "num_kv_heads")
-    head_dim = masks_lib._check_size(head_dim, "head_dim")
-    v_head_dim = head_dim if v_head_dim is None else masks_lib._check_size(v_head_dim, "v_head_dim")
-    dtype = masks_lib._check_float_dtype(dtype, "dtype")
+        _checks.size(d, f"batch_shape[{i}]")
+    capacity = _checks.size(capacity, "capacity")
+    num_kv_heads = _checks.size(num_kv_heads, "num_kv_heads")
+    head_dim = _checks.size(head_dim, "head_dim")
+    v_head_dim = head_dim if v_head_dim is None else _checks.size(v_head_dim, "v_head_dim")
+    dtype = _checks.float_dtype(dtype, "dtype")
     return KVCache(
         keys=jnp.zeros((*batch_shape, capacity, num_kv_heads, head_dim), dtype),
         values=jnp.zeros((*batch_shape, capacity, num_kv_heads, v_head_dim), dtype),
@@ -164,7 +163,7 @@ def _num_new(num_new, batch_shape: tuple[int, ...], chunk_len: int) -> Array:
             f"num_new must have the batch shape {batch_shape} (real tokens per row) or be a "
             f"scalar, got shape {num_new.shape}."
         ) from None
-    if _is_concrete(num_new):
+    if _checks.is_host_value(num_new):
         n = np.asarray(num_new)
         if n.size and (n.min() < 0 or n.max() > chunk_len):
             raise ValueError(
@@ -208,7 +207,7 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
         for what happens under jit).
     """
     cache = _check_cache(cache)
-    key, value = functional._as_float_array(key, "key"), functional._as_float_array(value, "value")
+    key, value = _checks.float_array(key, "key"), _checks.float_array(value, "value")
     batch_shape, cap = cache.keys.shape[:-3], capacity(cache)
     for name, x, buf in (("key", key, cache.keys), ("value", value, cache.values)):
         if x.ndim != buf.ndim or x.shape[:-3] != batch_shape or x.shape[-2:] != buf.shape[-2:]:
@@ -223,7 +222,9 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
             f"{value.shape}."
         )
     num_new = _num_new(num_new, batch_shape, chunk_len)
-    if _is_concrete(cache.lengths) and _is_concrete(num_new):
+    # An eager check where reading the lengths costs no device-to-host copy; under jit (or
+    # on an accelerator) the overflow is handled as the module docstring says.
+    if _checks.is_host_value(cache.lengths) and _checks.is_host_value(num_new):
         ends = np.asarray(cache.lengths) + np.asarray(num_new)
         if ends.size and ends.max() > cap:
             raise ValueError(
@@ -234,7 +235,7 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
             )
 
     n = int(np.prod(batch_shape, dtype=np.int64))
-    t = jnp.arange(chunk_len, dtype=jnp.int32)
+    t = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [1, T]
     # [B, T]: where each chunk token goes; padding and overflow get index `cap`, which
     # mode="drop" discards, so a write can never clamp onto (and clobber) a real entry.
     starts = cache.lengths.reshape(n, 1)
@@ -254,6 +255,22 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
     )
 
 
+def _mask_options(is_causal, local_window_size, causal, window, where: str):
+    """``(is_causal, (left, right) or None)``, from the current names or the deprecated ones."""
+    is_causal = _checks.renamed(is_causal, causal, "is_causal", "causal", where)
+    _checks.flag(is_causal, "is_causal")
+    if window is not None:
+        if local_window_size is not None:
+            raise TypeError(f"{where}: pass local_window_size only (window is its old name).")
+        local_window_size = (
+            _checks.renamed(None, window, "local_window_size", "window", where),
+            None,
+        )
+    if local_window_size is None:
+        return is_causal, None
+    return is_causal, _checks.window(local_window_size, open_right=True)
+
+
 def decode_mask(
     starts,
     lengths,
@@ -261,14 +278,17 @@ def decode_mask(
     kv_len: int,
     *,
     num_new=None,
-    causal: bool = True,
+    is_causal: bool = True,
+    local_window_size: int | tuple[int, int | None] | None = None,
+    causal: bool | None = None,
     window: int | None = None,
 ) -> Array:
     """The decoding mask of a chunk, per row: bool ``[batch..., 1, q_len, kv_len]``.
 
     Query ``t`` of row ``b`` sits at position ``p = starts[b] + t``. It attends key ``j``
     iff ``j < lengths[b]`` (filled), ``t < num_new[b]`` and ``p < kv_len`` (a real token
-    that was stored), and, if ``causal``, ``j <= p``; with ``window``, also ``j >= p - window``.
+    that was stored), and, if ``is_causal``, ``j <= p``; with ``local_window_size=(left,
+    right)``, also ``p - left <= j <= p + right``.
 
     Args:
       starts: int ``[batch...]``: each row's filled length *before* the chunk.
@@ -276,9 +296,13 @@ def decode_mask(
       q_len: chunk length ``T``.
       kv_len: the cache capacity.
       num_new: int ``[batch...]``: real tokens of the chunk per row; default ``q_len``.
-      causal: hide keys after the query's position.
-      window: sliding window: how many keys before the query's position stay visible.
+      is_causal: hide keys after the query's position.
+      local_window_size: ``(left, right)`` keys visible before and after the query's
+        position (``right`` may be None: no limit), or an int ``n`` for ``(n, n)``.
+      causal: deprecated name of ``is_causal``.
+      window: deprecated: ``window=n`` is ``local_window_size=(n, None)``.
     """
+    is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "decode_mask")
     starts, lengths = jnp.asarray(starts), jnp.asarray(lengths)
     for name, x in (("starts", starts), ("lengths", lengths)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -292,11 +316,11 @@ def decode_mask(
     # [batch..., 1, 1]: per-row offsets broadcast against the [q_len, kv_len] builders.
     offset = starts[..., None, None]
     parts = [masks_lib.padding_mask_from_lengths(key_lengths=lengths, kv_len=kv_len)]
-    if causal:
+    if is_causal:
         parts.append(masks_lib.causal_mask(q_len, kv_len, offset=offset)[..., None, :, :])
     if window is not None:
         window_mask = masks_lib.sliding_window_mask(
-            q_len, kv_len, window_left=window, window_right=None, offset=offset
+            q_len, kv_len, local_window_size=window, offset=offset
         )
         parts.append(window_mask[..., None, :, :])
     # Real queries that were stored: t < num_new and starts + t < capacity.
@@ -314,7 +338,9 @@ def attend(
     starts,
     num_new=None,
     mask=None,
-    causal: bool = True,
+    is_causal: bool = True,
+    local_window_size: int | tuple[int, int | None] | None = None,
+    causal: bool | None = None,
     window: int | None = None,
     **attention_kwargs,
 ):
@@ -332,12 +358,16 @@ def attend(
       num_new: int ``[batch...]``: real tokens per row of the chunk; default ``T``.
       mask: optional extra bool mask, True = attend, broadcastable to
         ``[batch..., num_heads, T, capacity]`` (key axis = cache positions); ANDed in.
-      causal: aligned bottom-right per row (default True). False lets the chunk's tokens
+      is_causal: aligned bottom-right per row (default True). False lets the chunk's tokens
         see each other both ways (a non-causal model; not equal to a full forward pass).
-      window: optional sliding window (keys ``p - window ... p``).
+      local_window_size: optional sliding window ``(left, right)`` around the query's
+        position ``p`` (keys ``p - left ... p + right``; ``right`` may be None), or an int
+        ``n`` for ``(n, n)``; with ``is_causal`` the right side is hidden anyway.
+      causal: deprecated name of ``is_causal``.
+      window: deprecated: ``window=n`` is ``local_window_size=(n, None)``.
       **attention_kwargs: other keywords of :func:`jattn.dot_product_attention`
         (``scale``, ``dtype``, ``precision``, ``dropout_rate``, ``dropout_rng``,
-        ``deterministic``, ``broadcast_dropout``, ``module``, ``return_weights``).
+        ``deterministic``, ``broadcast_dropout``, ``module``, ``return_weights``, ...).
 
     Returns:
       ``[batch..., T, num_heads, v_head_dim]`` (and the weights
@@ -345,11 +375,12 @@ def attend(
       overflowed queries give zeros.
     """
     cache = _check_cache(cache)
+    is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "attend")
     clash = sorted(set(attention_kwargs) & set(_OWN_MASK_ARGS))
     if clash:
         raise TypeError(
-            f"attend() builds the decoding mask itself; do not pass {clash}. Use causal=, "
-            "window= or mask= instead."
+            f"attend() builds the decoding mask itself; do not pass {clash}. Use is_causal=, "
+            "local_window_size= or mask= instead."
         )
     query = jnp.asarray(query)
     if query.ndim != cache.keys.ndim or query.shape[:-3] != cache.keys.shape[:-3]:
@@ -357,16 +388,14 @@ def attend(
             f"query must have shape [*{cache.keys.shape[:-3]}, T, num_heads, head_dim] to match "
             f"the cache, got {query.shape}."
         )
-    if window is not None:
-        window = masks_lib._check_size(window, "window", allow_zero=True)
     decoding = decode_mask(
         starts,
         cache.lengths,
         query.shape[-3],
         capacity(cache),
         num_new=num_new,
-        causal=causal,
-        window=window,
+        is_causal=is_causal,
+        local_window_size=window,
     )
     return functional.dot_product_attention(
         query,
@@ -385,7 +414,9 @@ def update_and_attend(
     *,
     num_new=None,
     mask=None,
-    causal: bool = True,
+    is_causal: bool = True,
+    local_window_size: int | tuple[int, int | None] | None = None,
+    causal: bool | None = None,
     window: int | None = None,
     **attention_kwargs,
 ):
@@ -396,13 +427,17 @@ def update_and_attend(
       query: ``[batch..., T, num_heads, head_dim]``.
       key: ``[batch..., T, num_kv_heads, head_dim]``.
       value: ``[batch..., T, num_kv_heads, v_head_dim]``.
-      num_new, mask, causal, window, **attention_kwargs: as :func:`attend`.
+      num_new, mask, is_causal, local_window_size, causal, window, **attention_kwargs: as
+        :func:`attend`.
 
     Returns:
       ``(output, cache)``: the attention output as :func:`attend` (a pair with
       ``return_weights``) and the updated cache.
     """
     cache = _check_cache(cache)
+    is_causal, window = _mask_options(
+        is_causal, local_window_size, causal, window, "update_and_attend"
+    )
     starts = cache.lengths
     cache = append(cache, key, value, num_new=num_new)
     out = attend(
@@ -411,8 +446,8 @@ def update_and_attend(
         starts=starts,
         num_new=num_new,
         mask=mask,
-        causal=causal,
-        window=window,
+        is_causal=is_causal,
+        local_window_size=window,
         **attention_kwargs,
     )
     return out, cache

@@ -36,9 +36,9 @@ Conventions shared by every class:
   classes), taken before dropout: returned with ``return_weights=True`` (the call returns
   ``(output, weights)``) or sown into ``intermediates/attention_weights`` with
   ``sow_weights=True`` (``apply(..., mutable=['intermediates'])``).
-* ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask,
-  giving a "leaky" model whose outputs depend on future tokens; the training demo uses it
-  to show what the mask prevents.
+* ``is_causal`` (a jattn extension, not in the book; ``causal`` is its deprecated name):
+  ``is_causal=False`` drops the causal mask, giving a "leaky" model whose outputs depend on
+  future tokens; the training demo uses it to show what the mask prevents.
 * ``decode=True`` (CausalAttention, the wrapper, MultiHeadAttention): autoregressive
   decoding with a KV cache (:mod:`jattn.kvcache`), flax's way. ``init`` with an input
   ``[batch..., capacity, d_in]`` creates the ``cache`` collection (``kv``: keys, values
@@ -106,10 +106,23 @@ class _Projections(nn.Module):
     where the automatic rule picks blockwise) or ``'blockwise'``."""
 
     def __post_init__(self):
-        mu.check_numerics(
-            type(self).__name__, self.dtype, self.param_dtype, self.attention_implementation
-        )
+        self.config  # validates the options once, at construction  # noqa: B018
         super().__post_init__()
+
+    @property
+    def config(self) -> mu.ModuleConfig:
+        """The attention options of this module (no mask, no dropout: the book's v1/v2)."""
+        return mu.ModuleConfig(type(self).__name__, **self._numerics())
+
+    def _numerics(self) -> dict:
+        return dict(
+            attention_implementation=self.attention_implementation,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+        )
 
     def _check_params(self, x: Array) -> None:
         """Clear errors for variables that do not fit ``x`` (flax would raise a Scope error)."""
@@ -161,14 +174,31 @@ class _Dropout(_Projections):
     """Keyword-only attributes of the classes with a causal mask and dropout."""
 
     _: dataclasses.KW_ONLY
-    causal: bool = True
+    is_causal: bool = True
     """jattn extension: False drops the causal mask (a "leaky" model, for demonstrations)."""
+    causal: bool | None = None
+    """Deprecated name of ``is_causal``."""
     deterministic: bool | None = None
     """True: no dropout (inference). The call argument wins over this attribute."""
     broadcast_dropout: bool | str = False
     """Axes sharing one dropout mask: False (independent, as the book), True, 'batch', 'heads'."""
     decode: bool = False
     """Decode with a KV cache in the ``cache`` collection (see the module docstring)."""
+
+    def __post_init__(self):
+        mu.resolve_causal(self.is_causal, self.causal, type(self).__name__)  # warns if old name
+        super().__post_init__()
+
+    @property
+    def config(self) -> mu.ModuleConfig:
+        """The attention options of this module."""
+        return mu.ModuleConfig(
+            type(self).__name__,
+            dropout=self.dropout,
+            is_causal=self.is_causal if self.causal is None else self.causal,
+            broadcast_dropout=self.broadcast_dropout,
+            **self._numerics(),
+        )
 
     def _attend(self, x, queries, keys, values, *, num_kv_heads=1, num_new=None, **kwargs):
         """``mu.attend``; in decode mode through (and updating) the ``cache`` variable ``kv``."""
@@ -193,9 +223,11 @@ class _Dropout(_Projections):
             )
         if not initialized:  # not decoding, or init (which only creates the cache)
             kw = {} if self.decode else {"num_new": num_new}
-            return mu.attend(self, queries, keys, values, num_kv_heads=num_kv_heads, **kwargs, **kw)
+            return mu.attend(
+                self.config, queries, keys, values, num_kv_heads=num_kv_heads, **kwargs, **kw
+            )
         out, cache.value = mu.attend(
-            self,
+            self.config,
             queries,
             keys,
             values,
@@ -261,7 +293,12 @@ class SelfAttentionV1(_Projections):
             for name in ("W_query", "W_key", "W_value")
         )
         return mu.attend(
-            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+            self.config,
+            queries,
+            keys,
+            values,
+            return_weights=return_weights,
+            sow_into=self if sow_weights else None,
         )
 
 
@@ -287,7 +324,12 @@ class SelfAttentionV2(SelfAttentionV1):
         x = mu.check_tokens(x, type(self).__name__)
         queries, keys, values = self._qkv(x, self.d_out, self.d_out, self.qkv_bias)
         return mu.attend(
-            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+            self.config,
+            queries,
+            keys,
+            values,
+            return_weights=return_weights,
+            sow_into=self if sow_weights else None,
         )
 
 
@@ -358,7 +400,7 @@ class CausalAttention(_Dropout):
             deterministic=deterministic,
             dropout_rng=dropout_rng,
             return_weights=return_weights,
-            sow_weights=sow_weights,
+            sow_into=self if sow_weights else None,
         )
 
 
@@ -400,16 +442,9 @@ class MultiHeadAttentionWrapper(_Dropout):
                 self.context_length,
                 self.dropout,
                 self.qkv_bias,
-                causal=self.causal,
                 deterministic=self.deterministic,
-                broadcast_dropout=self.broadcast_dropout,
                 decode=self.decode,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                kernel_init=self.kernel_init,
-                bias_init=self.bias_init,
-                attention_implementation=self.attention_implementation,
+                **self.config.head_options(),
             )
             for _ in range(self.num_heads)
         ]
@@ -496,6 +531,11 @@ class MultiHeadAttention(_Dropout):
         super().__post_init__()
 
     @property
+    def config(self) -> mu.ModuleConfig:
+        """The attention options of this module (with ``model_axis``)."""
+        return dataclasses.replace(super().config, model_axis=self.model_axis)
+
+    @property
     def head_dim(self) -> int:
         return self.d_out // self.num_heads
 
@@ -551,7 +591,7 @@ class MultiHeadAttention(_Dropout):
             deterministic=deterministic,
             dropout_rng=dropout_rng,
             return_weights=return_weights,
-            sow_weights=sow_weights,
+            sow_into=self if sow_weights else None,
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]

@@ -19,11 +19,12 @@ additive bias with :func:`mask_to_bias` when an API wants a bias instead.
 
 from __future__ import annotations
 
-import operator
+import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jattn import _checks
 
 __all__ = [
     "causal_mask",
@@ -38,50 +39,24 @@ __all__ = [
 ]
 
 
-def _check_size(value, name: str, *, allow_zero: bool = False) -> int:
-    """Returns ``value`` as an int, or raises a clear error."""
-    try:
-        size = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a Python int (a static size), got {type(value).__name__} {value!r}. "
-            "Sizes decide array shapes, so they cannot be traced values; pass e.g. x.shape[-2]."
-        ) from None
-    if size < 0 or (size == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{name} must be {bound}, got {size}.")
-    return size
-
-
-def _check_float_dtype(dtype, name: str = "dtype"):
-    """``dtype`` as a numpy dtype, or a clear error: not a dtype, not floating, or float64
-    while ``jax_enable_x64`` is off (JAX would silently compute in float32)."""
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a floating dtype such as jnp.float32 or jnp.bfloat16, got {dtype!r}."
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        raise ValueError(
-            f"{name}={dtype} needs 64-bit mode, which is off: enable it with "
-            "jax.config.update('jax_enable_x64', True) (or `with jax.enable_x64(True):`), or "
-            "use float32."
-        )
-    return dtype
+def _expand_rank(x, ndim: int):
+    """Leading singleton axes up to rank ``ndim`` (explicit, for rank promotion 'raise')."""
+    return x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
 def _positions(q_len: int, kv_len: int | None, offset):
-    q_len = _check_size(q_len, "q_len")
-    kv_len = q_len if kv_len is None else _check_size(kv_len, "kv_len")
+    q_len = _checks.size(q_len, "q_len")
+    kv_len = q_len if kv_len is None else _checks.size(kv_len, "kv_len")
     offset = jnp.asarray(offset)
     if not jnp.issubdtype(offset.dtype, jnp.integer):
         raise TypeError(f"offset must be an int or an int array, got dtype {offset.dtype}.")
-    # [q_len, 1] and [1, kv_len]: the query position, shifted by `offset`, against key positions.
-    q_pos = jnp.arange(q_len)[:, None] + offset.astype(jnp.int32)
-    kv_pos = jnp.arange(kv_len)[None, :]
+    # [.., q_len, 1] and [.., 1, kv_len]: the query position, shifted by `offset` (which may
+    # carry batch dims, e.g. [batch..., 1, 1]), against key positions.
+    rank = max(2, offset.ndim)
+    q_pos = _expand_rank(jnp.arange(q_len)[:, None], rank) + _expand_rank(
+        offset.astype(jnp.int32), rank
+    )
+    kv_pos = _expand_rank(jnp.arange(kv_len)[None, :], rank)
     return q_pos, kv_pos
 
 
@@ -109,34 +84,56 @@ def sliding_window_mask(
     q_len: int,
     kv_len: int | None = None,
     *,
-    window_left: int,
-    window_right: int | None = 0,
+    local_window_size: int | tuple[int, int | None] | None = None,
     offset=0,
+    window_left: int | None = None,
+    window_right: int | None = 0,
 ) -> jnp.ndarray:
-    """Local attention: query ``i`` sees keys ``i+offset-window_left ... i+offset+window_right``.
+    """Local attention: query ``i`` sees keys ``i+offset-left ... i+offset+right``.
 
-    With the default ``window_right=0`` this is causal attention restricted to the
-    last ``window_left`` keys before the query (and the query itself). ``window_right=None``
-    means no limit on the right. Same semantics as ``local_window_size=(left, right)``
-    in ``jax.nn.dot_product_attention``.
+    ``local_window_size`` has the meaning it has in :func:`jattn.dot_product_attention`
+    and ``jax.nn.dot_product_attention``: ``(left, right)``, or an int ``n`` for
+    ``(n, n)``. ``(left, 0)`` is causal attention restricted to the last ``left`` keys
+    before the query (and the query itself); ``right=None`` means no limit on the right.
 
     Args:
       q_len: number of query positions (static int >= 1).
       kv_len: number of key positions; defaults to ``q_len``.
-      window_left: how many keys before the (shifted) query position are visible (int >= 0).
-      window_right: how many keys after it are visible (int >= 0), or None for all.
+      local_window_size: ``(left, right)`` keys visible before and after the (shifted)
+        query position (ints >= 0; ``right`` may be None), or an int for both.
       offset: int or int array; shifts the window like :func:`causal_mask`'s offset.
+      window_left: deprecated: use ``local_window_size=(window_left, window_right)``.
+      window_right: deprecated, with ``window_left`` (default 0).
 
     Returns:
       Boolean ``[q_len, kv_len]`` array, True = attend.
     """
-    window_left = _check_size(window_left, "window_left", allow_zero=True)
+    left, right = _window_extents(local_window_size, window_left, window_right)
     q_pos, kv_pos = _positions(q_len, kv_len, offset)
-    mask = kv_pos >= q_pos - window_left
-    if window_right is not None:
-        window_right = _check_size(window_right, "window_right", allow_zero=True)
-        mask = mask & (kv_pos <= q_pos + window_right)
+    mask = kv_pos >= q_pos - left
+    if right is not None:
+        mask = mask & (kv_pos <= q_pos + right)
     return mask
+
+
+def _window_extents(local_window_size, window_left, window_right) -> tuple[int, int | None]:
+    """``(left, right)`` from ``local_window_size`` or the deprecated ``window_left/right``."""
+    if window_left is not None:
+        if local_window_size is not None:
+            raise TypeError("pass local_window_size only (window_left is its deprecated form).")
+        warnings.warn(
+            "sliding_window_mask(window_left=, window_right=) is deprecated: use "
+            "local_window_size=(left, right), the name dot_product_attention and jax.nn use.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        local_window_size = (window_left, window_right)
+    if local_window_size is None:
+        raise TypeError(
+            "sliding_window_mask needs local_window_size: (left, right) keys visible before "
+            "and after each query (e.g. (128, 0) for a causal window of 128)."
+        )
+    return _checks.window(local_window_size, open_right=True)
 
 
 def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:
@@ -144,11 +141,10 @@ def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:
 
     Position ``t`` of row ``b`` is valid (True) iff ``t < lengths[b]``.
     """
-    max_len = _check_size(max_len, "max_len")
-    lengths = jnp.asarray(lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}.")
-    return jnp.arange(max_len) < lengths[..., None]
+    max_len = _checks.size(max_len, "max_len")
+    lengths = _checks.int_array(lengths, "lengths")
+    # [batch..., max_len] < [batch..., 1]
+    return _expand_rank(jnp.arange(max_len), lengths.ndim + 1) < lengths[..., None]
 
 
 def _check_valid(valid, name: str) -> jnp.ndarray:
@@ -269,9 +265,10 @@ def combine_masks(*masks) -> jnp.ndarray | None:
     except ValueError:
         shapes = ", ".join(str(m.shape) for m in present)
         raise ValueError(f"combine_masks: mask shapes do not broadcast: {shapes}.") from None
-    out = present[0]
+    rank = max(m.ndim for m in present)
+    out = _expand_rank(present[0], rank)
     for m in present[1:]:
-        out = jnp.logical_and(out, m)
+        out = jnp.logical_and(out, _expand_rank(m, rank))
     return out
 
 
@@ -280,7 +277,7 @@ def large_negative(dtype=jnp.float32) -> jnp.ndarray:
 
     ``-0.7 * finfo(dtype).max``, capped at float32's range because the softmax runs in float32.
     """
-    dtype = _check_float_dtype(dtype)
+    dtype = _checks.float_dtype(dtype)
     big = min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
     return jnp.asarray(-0.7 * big, dtype=dtype)
 

@@ -37,7 +37,8 @@ Conventions shared by every class:
   ``nnx.Intermediate`` ``attention_weights`` with ``sow_weights=True``, read with
   ``y, inter = nnx.capture(model, nnx.Intermediate)(x, sow_weights=True)`` (flax 0.12
   deprecates sowing outside ``nnx.capture``).
-* ``causal`` (a jattn extension, not in the book): ``causal=False`` drops the causal mask.
+* ``is_causal`` (a jattn extension, not in the book; ``causal`` is its deprecated name):
+  ``is_causal=False`` drops the causal mask.
 * Decoding with a KV cache (CausalAttention, the wrapper, MultiHeadAttention), as
   ``flax.nnx.MultiHeadAttention``: ``init_cache((batch..., capacity, d_in))`` creates an
   empty ``nnx.Cache`` (:mod:`jattn.kvcache`; the wrapper makes one per head; calling it
@@ -83,20 +84,22 @@ v1_kernel_init = nnx.initializers.uniform(1.0)
 
 
 class _Attention(nnx.Module):
-    """What every class keeps: numerics, and a way to build its projections."""
+    """What every class keeps: its :class:`jattn._module_utils.ModuleConfig` and a way to
+    build its projections."""
 
-    def _init_numerics(self, dtype, param_dtype, precision, attention_implementation, rngs) -> None:
-        name = type(self).__name__
-        mu.check_numerics(name, dtype, param_dtype, attention_implementation)
+    def _init_config(self, config: mu.ModuleConfig, rngs) -> None:
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(
-                f"{name}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0), or "
+                f"{config.cls_name}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0), or "
                 f"nnx.Rngs(params=0, dropout=1)), got {type(rngs).__name__}."
             )
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.attention_implementation = attention_implementation
+        self.config = config
+
+    # Read-only views of the configuration, under the constructor's argument names.
+    dtype = property(lambda self: self.config.dtype)
+    param_dtype = property(lambda self: self.config.param_dtype)
+    precision = property(lambda self: self.config.precision)
+    attention_implementation = property(lambda self: self.config.attention_implementation)
 
     def _linear(self, d_in, features, use_bias, kernel_init, bias_init, rngs) -> nnx.Linear:
         return nnx.Linear(
@@ -124,20 +127,24 @@ class _Attention(nnx.Module):
 class _DropoutAttention(_Attention):
     """What the classes with a causal mask and dropout add: mode flags and a dropout stream."""
 
-    def _init_dropout(
-        self, *, dropout, causal, deterministic, broadcast_dropout, keep_rngs, rngs
-    ) -> None:
-        self.dropout = dropout
-        self.causal = causal
+    def _init_dropout(self, *, deterministic, keep_rngs, rngs) -> None:
         self.deterministic = deterministic
-        self.broadcast_dropout = broadcast_dropout
         stream = None
-        if keep_rngs and dropout > 0.0:
+        if keep_rngs and self.dropout > 0.0:
             try:
                 stream = rngs.dropout.fork()  # nnx.Rngs falls back to its 'default' stream
             except AttributeError:
                 stream = None  # neither stream: a training call must then pass rngs=
         self.rngs = nnx.data(stream)
+
+    dropout = property(lambda self: self.config.dropout)
+    is_causal = property(lambda self: self.config.is_causal)
+    broadcast_dropout = property(lambda self: self.config.broadcast_dropout)
+
+    @property
+    def causal(self) -> bool:
+        """Deprecated name of :attr:`is_causal`."""
+        return mu.resolve_causal(None, self.is_causal, type(self).__name__)
 
     def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
         """Creates an empty KV cache for ``decode=True`` calls (and resets a filled one).
@@ -179,7 +186,7 @@ class _DropoutAttention(_Attention):
     def _attend(self, queries, keys, values, *, decode, num_new, **kwargs):
         """``mu.attend``; with ``decode`` through (and updating) the KV cache."""
         if not decode:
-            return mu.attend(self, queries, keys, values, num_new=num_new, **kwargs)
+            return mu.attend(self.config, queries, keys, values, num_new=num_new, **kwargs)
         cache = getattr(self, "cache", None)
         if cache is None:
             raise ValueError(
@@ -187,7 +194,7 @@ class _DropoutAttention(_Attention):
                 "init_cache(input_shape) first, with input_shape = (batch..., capacity, d_in)."
             )
         out, updated = mu.attend(
-            self, queries, keys, values, cache=cache.get_value(), num_new=num_new, **kwargs
+            self.config, queries, keys, values, cache=cache.get_value(), num_new=num_new, **kwargs
         )
         cache.set_value(updated)
         return out
@@ -250,9 +257,18 @@ class SelfAttentionV1(_Attention):
         kernel_init: Initializer = v1_kernel_init,
         rngs: nnx.Rngs,
     ):
-        mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
+        name = type(self).__name__
+        mu.check_config(name, d_in=d_in, d_out=d_out)
         self.d_in, self.d_out = d_in, d_out
-        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
+        config = mu.ModuleConfig(
+            name,
+            attention_implementation=attention_implementation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+        )
+        self._init_config(config, rngs)
         shape = (d_in, d_out)
         self.W_query = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
         self.W_key = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
@@ -271,7 +287,12 @@ class SelfAttentionV1(_Attention):
             for w in (self.W_query, self.W_key, self.W_value)
         )
         return mu.attend(
-            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+            self.config,
+            queries,
+            keys,
+            values,
+            return_weights=return_weights,
+            sow_into=self if sow_weights else None,
         )
 
 
@@ -301,9 +322,19 @@ class SelfAttentionV2(_Attention):
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ):
-        mu.check_config(type(self).__name__, d_in=d_in, d_out=d_out)
+        name = type(self).__name__
+        mu.check_config(name, d_in=d_in, d_out=d_out)
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
-        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
+        config = mu.ModuleConfig(
+            name,
+            attention_implementation=attention_implementation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+        )
+        self._init_config(config, rngs)
         self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
 
     def __call__(self, x, *, return_weights: bool = False, sow_weights: bool = False):
@@ -315,7 +346,12 @@ class SelfAttentionV2(_Attention):
         x = mu.check_tokens(x, type(self).__name__, d_in=self.d_in)
         queries, keys, values = self._qkv(x)
         return mu.attend(
-            self, queries, keys, values, return_weights=return_weights, sow_weights=sow_weights
+            self.config,
+            queries,
+            keys,
+            values,
+            return_weights=return_weights,
+            sow_into=self if sow_weights else None,
         )
 
 
@@ -328,7 +364,8 @@ class CausalAttention(_DropoutAttention):
       context_length: the most tokens a call may have.
       dropout: probability of dropping an attention weight, in [0, 1).
       qkv_bias: add a bias to the three projections.
-      causal: jattn extension: False drops the causal mask (a "leaky" model).
+      is_causal: jattn extension: False drops the causal mask (a "leaky" model).
+      causal: deprecated name of ``is_causal``.
       deterministic: True: no dropout; None: decided by the call (or ``.train()/.eval()``).
       broadcast_dropout: axes sharing one dropout mask: False (independent, as the book),
         True, ``'batch'`` or ``'heads'``.
@@ -346,7 +383,8 @@ class CausalAttention(_DropoutAttention):
         dropout: float,
         qkv_bias: bool = False,
         *,
-        causal: bool = True,
+        is_causal: bool = True,
+        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -367,16 +405,21 @@ class CausalAttention(_DropoutAttention):
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length = context_length
-        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
-        self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
-        self._init_dropout(
-            dropout=float(dropout),
-            causal=causal,
-            deterministic=deterministic,
+        config = mu.ModuleConfig(
+            type(self).__name__,
+            dropout=dropout,
+            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
             broadcast_dropout=broadcast_dropout,
-            keep_rngs=keep_rngs,
-            rngs=rngs,
+            attention_implementation=attention_implementation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
         )
+        self._init_config(config, rngs)
+        self._init_qkv(d_in, d_out, d_out, qkv_bias, kernel_init, bias_init, rngs)
+        self._init_dropout(deterministic=deterministic, keep_rngs=keep_rngs, rngs=rngs)
 
     def __call__(
         self,
@@ -422,7 +465,7 @@ class CausalAttention(_DropoutAttention):
             deterministic=deterministic,
             dropout_rng=dropout_rng,
             return_weights=return_weights,
-            sow_weights=sow_weights,
+            sow_into=self if sow_weights else None,
         )
 
 
@@ -445,7 +488,8 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         num_heads: int,
         qkv_bias: bool = False,
         *,
-        causal: bool = True,
+        is_causal: bool = True,
+        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -468,16 +512,21 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length, self.num_heads = context_length, num_heads
-        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
-        # The heads keep the dropout streams; the wrapper keeps only the mode flags.
-        self._init_dropout(
-            dropout=float(dropout),
-            causal=causal,
-            deterministic=deterministic,
+        config = mu.ModuleConfig(
+            type(self).__name__,
+            dropout=dropout,
+            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
             broadcast_dropout=broadcast_dropout,
-            keep_rngs=False,
-            rngs=rngs,
+            attention_implementation=attention_implementation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
         )
+        self._init_config(config, rngs)
+        # The heads keep the dropout streams; the wrapper keeps only the mode flags.
+        self._init_dropout(deterministic=deterministic, keep_rngs=False, rngs=rngs)
         for i in range(num_heads):
             head = CausalAttention(
                 d_in,
@@ -485,17 +534,10 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
                 context_length,
                 dropout,
                 qkv_bias,
-                causal=causal,
                 deterministic=deterministic,
-                broadcast_dropout=broadcast_dropout,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                precision=precision,
-                attention_implementation=attention_implementation,
-                kernel_init=kernel_init,
-                bias_init=bias_init,
                 keep_rngs=keep_rngs,
                 rngs=rngs,
+                **config.head_options(),
             )
             setattr(self, f"heads_{i}", head)
 
@@ -586,7 +628,8 @@ class MultiHeadAttention(_DropoutAttention):
         *,
         num_kv_heads: int | None = None,
         model_axis: str | None = None,
-        causal: bool = True,
+        is_causal: bool = True,
+        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -614,8 +657,20 @@ class MultiHeadAttention(_DropoutAttention):
             num_kv_heads,
         )
         self.head_dim = d_out // num_heads
-        self._init_numerics(dtype, param_dtype, precision, attention_implementation, rngs)
-        self.model_axis = model_axis
+        config = mu.ModuleConfig(
+            type(self).__name__,
+            dropout=dropout,
+            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
+            broadcast_dropout=broadcast_dropout,
+            attention_implementation=attention_implementation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            model_axis=model_axis,
+        )
+        self._init_config(config, rngs)
         tp = functools.partial(mu.tensor_parallel_inits, nnx.with_partitioning)
         self._init_qkv(
             d_in,
@@ -627,14 +682,9 @@ class MultiHeadAttention(_DropoutAttention):
         )
         out_inits = tp(kernel_init, bias_init, model_axis, "rows")
         self.out_proj = self._linear(d_out, d_out, True, *out_inits, rngs)
-        self._init_dropout(
-            dropout=float(dropout),
-            causal=causal,
-            deterministic=deterministic,
-            broadcast_dropout=broadcast_dropout,
-            keep_rngs=keep_rngs,
-            rngs=rngs,
-        )
+        self._init_dropout(deterministic=deterministic, keep_rngs=keep_rngs, rngs=rngs)
+
+    model_axis = property(lambda self: self.config.model_axis)
 
     def _cache_layout(self) -> tuple[int, int]:
         return self.kv_heads, self.head_dim
@@ -687,7 +737,7 @@ class MultiHeadAttention(_DropoutAttention):
             deterministic=deterministic,
             dropout_rng=dropout_rng,
             return_weights=return_weights,
-            sow_weights=sow_weights,
+            sow_into=self if sow_weights else None,
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]

@@ -16,7 +16,7 @@ unmasked). The blocks are contiguous, so the work is unbalanced (the last device
 ``n`` blocks, the first one); a zigzag/striped layout would even it out.
 
 The backward pass is a second trip around the ring (FlashAttention-2's backward per
-block, :func:`jattn.blockwise._backward`, with the *global* output and log-sum-exp):
+block, :func:`jattn.blockwise.backward`, with the *global* output and log-sum-exp):
 each device accumulates ``dq`` for its own queries while the ``dk, dv`` accumulators
 travel with their key/value block and arrive home after ``n`` hops.
 
@@ -41,25 +41,14 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jattn import blockwise, functional, masks
+from jattn import _checks, blockwise
 
 __all__ = ["ring_attention", "ring_attention_shard"]
 
 Array = jax.Array
 
-# blockwise's auxiliary operands (lengths, segments, mask, dropout): ring attention has none.
-_NO_AUX = dict.fromkeys(
-    (
-        "q_lengths",
-        "kv_lengths",
-        "q_segments",
-        "kv_segments",
-        "mask",
-        "dropout_words",
-        "dropout_threshold",
-        "keep_prob",
-    )
-)
+# blockwise's per-call arrays (lengths, segments, mask, dropout): ring attention has none.
+_NO_AUX = blockwise.Aux()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +58,8 @@ class _Ring:
     axis_name: Any
     axis_size: int
     causal: bool
-    diagonal: blockwise._Config  # a device's own key/value block (causal mask if causal)
-    off_diagonal: blockwise._Config  # any other block that is computed: no mask at all
+    diagonal: blockwise.Config  # a device's own key/value block (causal mask if causal)
+    off_diagonal: blockwise.Config  # any other block that is computed: no mask at all
 
 
 def _f32(dtype):
@@ -111,14 +100,14 @@ def _merge(out, lse, out_b, lse_b):
 def _ring_forward(ring: _Ring, q, k, v):
     """``(out, lse)`` of the local queries over all keys: out in q's dtype, lse float32."""
     # Step 0: the device's own block, always visible (the diagonal under a causal mask).
-    out, lse = blockwise._forward(ring.diagonal, q, k, v, _NO_AUX)
+    out, lse = blockwise.forward(ring.diagonal, q, k, v, _NO_AUX)
     out = out.astype(_f32(q.dtype))
 
     def step(s, carry):
         k_s, v_s, out, lse = _shift(carry[:2], ring) + carry[2:]
 
         def attend(c):
-            out_b, lse_b = blockwise._forward(ring.off_diagonal, q, k_s, v_s, _NO_AUX)
+            out_b, lse_b = blockwise.forward(ring.off_diagonal, q, k_s, v_s, _NO_AUX)
             return _merge(*c, out_b, lse_b)
 
         out, lse = lax.cond(_block_branch(ring, s), attend, lambda c: c, (out, lse))
@@ -131,7 +120,7 @@ def _ring_forward(ring: _Ring, q, k, v):
 def _ring_backward(ring: _Ring, q, k, v, out, lse, d_out):
     """``(dq, dk, dv)`` of the local blocks: a second trip around the ring."""
     # Own block first; the dk, dv accumulators then travel with their key/value block.
-    dq, dk, dv = blockwise._backward(ring.diagonal, q, k, v, _NO_AUX, out, lse, d_out)
+    dq, dk, dv = blockwise.backward(ring.diagonal, q, k, v, _NO_AUX, out, lse, d_out)
     f32 = _f32(q.dtype)
     dq, dk, dv = dq.astype(f32), dk.astype(f32), dv.astype(f32)
 
@@ -140,7 +129,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, d_out):
 
         def attend(c):
             dq, dk_s, dv_s = c
-            dq_b, dk_b, dv_b = blockwise._backward(
+            dq_b, dk_b, dv_b = blockwise.backward(
                 ring.off_diagonal, q, k_s, v_s, _NO_AUX, out, lse, d_out
             )
             return dq + dq_b, dk_s + dk_b, dv_s + dv_b
@@ -172,11 +161,11 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
 def _check_options(scale, is_causal, block_q, block_k) -> None:
-    functional._check_scale(scale)
-    functional._check_flag(is_causal, "is_causal")
+    _checks.scale(scale)
+    _checks.flag(is_causal, "is_causal")
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if block is not None:
-            masks._check_size(block, name)
+            _checks.size(block, name)
 
 
 def _to_tiles(x: Array, groups: int, padded: int) -> Array:
@@ -232,7 +221,7 @@ def ring_attention_shard(
         ``is_causal`` with query and key blocks of different lengths.
       TypeError: non-float inputs.
     """
-    query, key, value = functional._check_qkv(query, key, value)
+    query, key, value = _checks.qkv(query, key, value)
     _check_options(scale, is_causal, block_q, block_k)
     dtype = jnp.result_type(query, key, value)
     query, key, value = query.astype(dtype), key.astype(dtype), value.astype(dtype)
@@ -252,26 +241,21 @@ def ring_attention_shard(
             f"axis_name={axis_name!r} is not a mesh axis bound here: call ring_attention_shard "
             "inside jax.shard_map over a mesh with that axis, or use ring_attention(mesh=...)."
         ) from None
-    configs = {}
-    for name, causal in (("diagonal", is_causal), ("off_diagonal", False)):
-        bq = blockwise._tile_length(q_len, block_q or blockwise.DEFAULT_BLOCK_Q)
-        bk = blockwise._tile_length(kv_len, block_k or blockwise.DEFAULT_BLOCK_K)
-        configs[name] = blockwise._Config(
+    configs = {
+        name: blockwise.make_config(
             q_len=q_len,
             kv_len=kv_len,
-            block_q=bq,
-            block_k=bk,
-            scale=float(scale),
-            band_lo=None,
-            band_hi=0 if causal else None,
-            dropout=False,
-            dropout_rows_batch=False,
-            dropout_rows_heads=False,
             num_heads=num_heads,
             kv_heads=k_heads,
             batch_size=math.prod(batch),
+            scale=scale,
+            is_causal=causal,
             precision=precision,
+            block_q=block_q or blockwise.DEFAULT_BLOCK_Q,
+            block_k=block_k or blockwise.DEFAULT_BLOCK_K,
         )
+        for name, causal in (("diagonal", is_causal), ("off_diagonal", False))
+    }
     ring = _Ring(axis_name=axis_name, axis_size=ring_size, causal=is_causal, **configs)
     cfg = ring.diagonal
     groups = num_heads // k_heads
@@ -331,7 +315,7 @@ def ring_attention(
         divide evenly over its axis, a batch axis without batch dims, plus the shape
         errors of :func:`ring_attention_shard`.
     """
-    query, key, value = functional._check_qkv(query, key, value)
+    query, key, value = _checks.qkv(query, key, value)
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((n,), ('seq',))), got "

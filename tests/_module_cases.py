@@ -41,7 +41,7 @@ class Case:
 
     @property
     def causal(self) -> bool:
-        return dict(self.extra).get("causal", True) and self.kind in CAUSAL_CLASSES
+        return dict(self.extra).get("is_causal", True) and self.kind in CAUSAL_CLASSES
 
     def linen(self):
         kw = dict(self.extra)
@@ -130,9 +130,9 @@ FORWARD_CASES = (
     + [
         Case("MultiHeadAttention", d_out=8, num_heads=4, num_kv_heads=2),
         Case("MultiHeadAttention", d_out=6, num_heads=3, num_kv_heads=1, qkv_bias=True),
-        Case("CausalAttention", extra=(("causal", False),)),
-        Case("MultiHeadAttentionWrapper", extra=(("causal", False),)),
-        Case("MultiHeadAttention", extra=(("causal", False),)),
+        Case("CausalAttention", extra=(("is_causal", False),)),
+        Case("MultiHeadAttentionWrapper", extra=(("is_causal", False),)),
+        Case("MultiHeadAttention", extra=(("is_causal", False),)),
     ]
 )
 

@@ -56,14 +56,14 @@ def _dense(causal):
 class _BlockCounter:
     """Counts, per device, the blockwise forward and backward calls that actually run.
 
-    While active, ``blockwise._forward`` / ``_backward`` are wrapped with a
+    While active, ``blockwise.forward`` / ``backward`` are wrapped with a
     ``jax.debug.callback`` that fires only when the call executes: inside a ``lax.cond``
     branch that is not taken, it does not.
     """
 
     def __init__(self):
         self.counts = collections.Counter()
-        self.original = {"_forward": blockwise._forward, "_backward": blockwise._backward}
+        self.original = {"forward": blockwise.forward, "backward": blockwise.backward}
 
     def _wrap(self, name):
         def record(device):

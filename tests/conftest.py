@@ -9,6 +9,11 @@ from hypothesis import settings
 
 from jattn import book
 
+# The suite runs as strictly as jax's own test harness: implicit rank promotion is an error
+# (every jattn code path must work for users who set it), and so are deprecations
+# (pyproject.toml's filterwarnings).
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
 # Deterministic property tests in CI (and by default); `HYPOTHESIS_PROFILE=dev` explores more.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=25, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=200)

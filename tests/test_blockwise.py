@@ -227,7 +227,7 @@ def test_dropout_mask_equals_dense_for_every_block_size(broadcast):
     dense = jattn.dot_product_attention_weights(
         q, k, is_causal=True, dropout_rate=rate, dropout_rng=rng, broadcast_dropout=broadcast
     )
-    shared = jattn.functional._dropout_shared(broadcast)
+    shared = jattn._checks.broadcast_dropout(broadcast)
     # Block-size independence once; the other modes check their row numbering.
     for block in (16, 48) if broadcast is False else (16,):
         got = _dropped_weights_via_blockwise(

@@ -40,7 +40,8 @@ def _heads(x):
 
 def _run(params, tokens, positions, attention):
     # [B, T, D]: token plus position embedding
-    x = params["tok"][tokens] + params["pos"][positions]
+    pos = params["pos"][positions]  # [T, D] or [B, T, D]
+    x = params["tok"][tokens] + pos.reshape((1,) * (3 - pos.ndim) + pos.shape)
     for i, layer in enumerate(params["layers"]):
         q, k, v = (_heads(x @ layer[n]) for n in "qkv")
         out = attention(i, q, k, v)  # [B, T, H, hd]
@@ -62,7 +63,7 @@ def forward_fn(params, tokens):
 def decode_fn(params, tokens, caches, num_new):
     """A chunk through the cached model: (logits [B, T, V], caches)."""
     caches = list(caches)
-    positions = caches[0].lengths[:, None] + jnp.arange(tokens.shape[1])  # [B, T]
+    positions = caches[0].lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]  # [B, T]
     positions = jnp.minimum(positions, CONTEXT - 1)  # padding may run past the table
 
     def attention(i, q, k, v):

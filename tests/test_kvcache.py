@@ -17,7 +17,9 @@ from jattn import kvcache as kv
 B, CAP, H, K, D = 3, 12, 4, 2, 5
 
 # Most tests run the step jitted: one compilation instead of dozens of eager op dispatches.
-jit_step = jax.jit(kv.update_and_attend, static_argnames=("window", "causal", "return_weights"))
+jit_step = jax.jit(
+    kv.update_and_attend, static_argnames=("local_window_size", "is_causal", "return_weights")
+)
 
 
 def qkv(rng, length, batch=(B,), heads=H, kv_heads=K, dim=D):
@@ -49,12 +51,14 @@ def decode_in_chunks(q, k, v, prompt_lengths, steps, *, capacity=CAP, window=Non
     t = int(lengths.max())
     cache = kv.init_cache(q.shape[0], capacity, k.shape[-2], k.shape[-1])
     out, cache = kv.update_and_attend(
-        cache, q[:, :t], k[:, :t], v[:, :t], num_new=jnp.asarray(lengths), window=window
+        cache, q[:, :t], k[:, :t], v[:, :t], num_new=jnp.asarray(lengths), local_window_size=window
     )
     per_row = [[out[b, : lengths[b]]] for b in range(q.shape[0])]
     for i in range(steps):
         pos = lengths + i
-        o, cache = jit_step(cache, rows_at(q, pos), rows_at(k, pos), rows_at(v, pos), window=window)
+        o, cache = jit_step(
+            cache, rows_at(q, pos), rows_at(k, pos), rows_at(v, pos), local_window_size=window
+        )
         for b in range(q.shape[0]):
             per_row[b].append(o[b])
     return [np.concatenate(r) for r in per_row], cache
@@ -203,7 +207,7 @@ def test_extra_mask_is_anded_in(rng):
     # hide cache position 0 from every query
     extra = jnp.arange(CAP) != 0
     out, _ = kv.update_and_attend(kv.init_cache(B, CAP, K, D), q, k, v, mask=extra)
-    hide_first = (jnp.arange(4) != 0)[None, None, None, :] & jnp.tril(jnp.ones((4, 4), bool))
+    hide_first = (jnp.arange(4) != 0)[None, None, None, :] & jnp.tril(jnp.ones((1, 1, 4, 4), bool))
     ref = jax.nn.dot_product_attention(q[:, 1:], k, v, mask=hide_first[..., 1:, :])
     np.testing.assert_allclose(out[:, 1:], ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(out[:, 0], 0.0)  # query 0 sees only key 0: hidden
@@ -212,7 +216,9 @@ def test_extra_mask_is_anded_in(rng):
 def test_decode_mask_equals_numpy():
     starts, lengths, num_new = np.array([0, 3, 6]), np.array([2, 5, 8]), np.array([2, 2, 2])
     q_len, kv_len, window = 3, 8, 1
-    got = kv.decode_mask(starts, lengths, q_len, kv_len, num_new=num_new, window=window)
+    got = kv.decode_mask(
+        starts, lengths, q_len, kv_len, num_new=num_new, local_window_size=(window, None)
+    )
     assert got.shape == (3, 1, q_len, kv_len)
     ref = np.zeros((3, q_len, kv_len), bool)
     for b in range(3):
@@ -229,7 +235,7 @@ def test_attend_rejects_its_own_mask_arguments(rng):
     q, k, v = qkv(rng, 2)
     cache = kv.init_cache(B, CAP, K, D)
     with pytest.raises(TypeError, match="builds the decoding mask itself"):
-        kv.update_and_attend(cache, q, k, v, is_causal=True)
+        kv.update_and_attend(cache, q, k, v, key_value_seq_lengths=cache.lengths)
     with pytest.raises(ValueError, match="query must have shape"):
         kv.attend(cache, q[0], starts=cache.lengths)
 

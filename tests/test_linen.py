@@ -67,7 +67,7 @@ def test_causal_by_gradient(kind, rng):
 
 @pytest.mark.parametrize("kind", CAUSAL_CLASSES)
 def test_causal_false_leaks_the_future(kind, rng):
-    case = Case(kind, extra=(("causal", False),))
+    case = Case(kind, extra=(("is_causal", False),))
     x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
     m, variables = case.linen(), _init(case, x)
     assert causality.future_leak(lambda z: m.apply(variables, z), x) > 1e-3

@@ -55,9 +55,7 @@ def _np_window(q_len, kv_len, left, right, offset=0):
     [(6, 6, 2, 0, 0), (6, 6, 1, 1, 0), (4, 9, 3, None, 5), (5, 5, 0, 0, 0), (3, 8, 2, 1, 2)],
 )
 def test_sliding_window_mask(q_len, kv_len, left, right, offset):
-    got = masks.sliding_window_mask(
-        q_len, kv_len, window_left=left, window_right=right, offset=offset
-    )
+    got = masks.sliding_window_mask(q_len, kv_len, local_window_size=(left, right), offset=offset)
     np.testing.assert_array_equal(np.asarray(got), _np_window(q_len, kv_len, left, right, offset))
 
 
@@ -69,9 +67,7 @@ def test_sliding_window_mask(q_len, kv_len, left, right, offset):
     offset=st.integers(-3, 6),
 )
 def test_sliding_window_property(q_len, kv_len, left, right, offset):
-    got = masks.sliding_window_mask(
-        q_len, kv_len, window_left=left, window_right=right, offset=offset
-    )
+    got = masks.sliding_window_mask(q_len, kv_len, local_window_size=(left, right), offset=offset)
     np.testing.assert_array_equal(np.asarray(got), _np_window(q_len, kv_len, left, right, offset))
     if right == 0:
         # A causal window is a subset of the causal mask with the same offset.
@@ -182,11 +178,15 @@ def test_mask_to_bias_rejects_non_bool():
         (lambda: masks.causal_mask(-3), ValueError, "q_len must be >= 1"),
         (lambda: masks.causal_mask(3, 0), ValueError, "kv_len must be >= 1"),
         (lambda: masks.causal_mask(2.5), TypeError, "q_len must be a Python int"),
-        (lambda: masks.sliding_window_mask(4, window_left=-1), ValueError, "window_left"),
         (
-            lambda: masks.sliding_window_mask(4, window_left=1, window_right=-2),
+            lambda: masks.sliding_window_mask(4, local_window_size=(-1, 0)),
             ValueError,
-            "window_right",
+            r"local_window_size\[0\] \(left\)",
+        ),
+        (
+            lambda: masks.sliding_window_mask(4, local_window_size=(1, -2)),
+            ValueError,
+            r"local_window_size\[1\] \(right\)",
         ),
         (lambda: masks.lengths_to_valid(np.array([1.5]), 3), TypeError, "integers"),
         (

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _module_cases import CLASSES, Case
 
-from jattn.functional import _AUTO_MIN_LEN as T  # where the automatic rule picks blockwise (CPU)
+from jattn._routing import AUTO_MIN_LEN as T  # where the automatic rule picks blockwise (CPU)
 
 
 def _forward(api: str, kind: str, implementation):
@@ -44,7 +44,7 @@ def test_dense_enables_forward_mode_and_agrees_with_blockwise(api, kind, rng, ba
     auto, dense, blockwise = (_forward(api, kind, impl) for impl in (None, "dense", "blockwise"))
 
     # The default is the blockwise path here: reverse mode only.
-    with pytest.raises(TypeError, match="custom_vjp"):
+    with pytest.raises(TypeError, match=r"forward-mode autodiff .* implementation=.dense."):
         jax.jvp(auto, (x,), (v,))
 
     y_dense, jv = jax.jvp(dense, (x,), (v,))

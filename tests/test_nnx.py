@@ -46,7 +46,7 @@ def test_causal_by_gradient(kind, rng):
     upper = np.triu(np.ones_like(dep, dtype=bool), k=1)
     assert np.all(dep[upper] == 0.0), "an output depends on a future token"
     assert np.all(dep[~upper] > 0.0), "an output ignores a past token"
-    leaky = Case(kind, extra=(("causal", False),)).nnx()
+    leaky = Case(kind, extra=(("is_causal", False),)).nnx()
     assert causality.future_leak(leaky, x) > 1e-3
 
 

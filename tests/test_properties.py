@@ -262,7 +262,7 @@ def test_linen_and_nnx_multihead_attention_match_numpy(case):
         key_valid[..., 0] = True  # every query keeps its first key
         mask = jattn.padding_mask(key_valid=jnp.asarray(key_valid))
     sizes = (d_out, t + case["extra_context"], 0.0, case["heads"], case["qkv_bias"])
-    options = dict(num_kv_heads=case["kv_heads"], causal=case["causal"])
+    options = dict(num_kv_heads=case["kv_heads"], is_causal=case["causal"])
     linen = jl.MultiHeadAttention(*sizes, **options)
     variables = jax.jit(linen.init)(jax.random.key(case["seed"]), x)
     ref = _np_mha(

@@ -68,8 +68,8 @@ def test_causal_blocks_in_the_future_are_not_computed(multi):
     # Device i holds query block i: causally it needs key blocks 0..i, i.e. i + 1 of 4,
     # in the forward pass and again in the backward pass; without a mask, all 4.
     computed = multi["blocks_computed"]
-    assert computed["causal"] == {"_forward": [1, 2, 3, 4], "_backward": [1, 2, 3, 4]}
-    assert computed["full"] == {"_forward": [4, 4, 4, 4], "_backward": [4, 4, 4, 4]}
+    assert computed["causal"] == {"forward": [1, 2, 3, 4], "backward": [1, 2, 3, 4]}
+    assert computed["full"] == {"forward": [4, 4, 4, 4], "backward": [4, 4, 4, 4]}
 
 
 def test_local_blocks_padded_to_tiles(multi):

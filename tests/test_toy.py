@@ -397,7 +397,7 @@ class NNXBlock(nnx.Module):
         d = cfg.d_model
         self.ln_attn = nnx.LayerNorm(d, rngs=rngs)
         self.attn = jattn.nnx.MultiHeadAttention(
-            d, d, cfg.context_length, cfg.dropout, cfg.num_heads, causal=cfg.causal, rngs=rngs
+            d, d, cfg.context_length, cfg.dropout, cfg.num_heads, is_causal=cfg.causal, rngs=rngs
         )
         self.ln_mlp = nnx.LayerNorm(d, rngs=rngs)
         self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)

@@ -4,7 +4,7 @@ token + position embeddings -> ``num_layers`` pre-LayerNorm blocks
 (``x + MHA(LN(x))``, ``x + MLP(LN(x))``) -> final LayerNorm -> vocabulary head.
 
 The only difference between the demo's "causal" and "leaky" models is
-``GPTConfig.causal``, passed straight to ``MultiHeadAttention(causal=...)``: both have the
+``GPTConfig.causal``, passed straight to ``MultiHeadAttention(is_causal=...)``: both have the
 same parameter tree, so the same seed gives them the same initial weights.
 
 Tensor parallelism is annotated, not coded: ``MultiHeadAttention(model_axis='model')``
@@ -106,7 +106,7 @@ class Block(nn.Module):
             cfg.context_length,
             cfg.dropout,
             cfg.num_heads,
-            causal=cfg.causal,
+            is_causal=cfg.causal,
             decode=self.decode,
             model_axis=MODEL_AXIS,
             name="attn",
@@ -190,7 +190,9 @@ class TinyGPT(nn.Module):
             pos = jnp.minimum(filled_B[..., None] + pos, cfg.context_length - 1)
         # [B, T, D]: token embedding plus a learned embedding of the position.
         x_BxTxD = nn.Embed(cfg.vocab_size, cfg.d_model, name="tok_emb")(tokens_BxT)
-        x_BxTxD = x_BxTxD + nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(pos)
+        # [T, D] (or [B, T, D] when decoding) position embeddings, broadcast over the batch
+        pos_TxD = nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(pos)
+        x_BxTxD = x_BxTxD + pos_TxD.reshape((1,) * (x_BxTxD.ndim - pos_TxD.ndim) + pos_TxD.shape)
         x_BxTxD = nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
         for i in range(cfg.num_layers):
             x_BxTxD = Block(cfg, decode=self.decode, name=f"blocks_{i}")(

@@ -1,0 +1,392 @@
+"""Argument checks shared by every public entry point of jattn.
+
+Each function validates one kind of argument and raises a ``TypeError`` or ``ValueError``
+that names the argument and the fix. Public entries (``dot_product_attention``, the mask
+builders, the modules, the KV cache, generation, ring attention, the converters) call
+these once; the implementations below them trust their inputs and re-check nothing.
+
+Checks that read *values* (not shapes) run only on concrete host-side values (Python
+numbers, numpy arrays): reading a device array's values would block on a device-to-host
+copy at every eager call on GPU/TPU. Device arrays and tracers pass through unchecked;
+the traced alternatives are ``jax.experimental.checkify`` and :func:`jattn.kvcache.fits`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash")
+"""The names ``implementation=`` accepts (None: automatic). ``'xla'`` is jax.nn's name for
+the dense path."""
+
+# ----------------------------------------------------------------------------------------
+# Sizes and dtypes
+# ----------------------------------------------------------------------------------------
+
+
+def size(value, name: str, *, allow_zero: bool = False) -> int:
+    """Returns ``value`` as an int, or raises a clear error."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a Python int (a static size), got {type(value).__name__} {value!r}. "
+            "Sizes decide array shapes, so they cannot be traced values; pass e.g. x.shape[-2]."
+        ) from None
+    if n < 0 or (n == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{name} must be {bound}, got {n}.")
+    return n
+
+
+def float_dtype(dtype, name: str = "dtype"):
+    """``dtype`` as a numpy dtype, or a clear error: not a dtype, not floating, or float64
+    while ``jax_enable_x64`` is off (JAX would silently compute in float32)."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a floating dtype such as jnp.float32 or jnp.bfloat16, got {dtype!r}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(
+            f"{name}={dtype} needs 64-bit mode, which is off: enable it with "
+            "jax.config.update('jax_enable_x64', True) (or `with jax.enable_x64(True):`), or "
+            "use float32."
+        )
+    return dtype
+
+
+def float_array(x, name: str) -> Array:
+    """``x`` as a floating array (token ids and other integers are refused)."""
+    if x is None:
+        raise TypeError(f"{name} is required, got None.")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} must have a floating dtype (float32, bfloat16, float16, ...), got "
+            f"{x.dtype}. Token ids must go through an embedding first; cast other arrays "
+            f"with `.astype(jnp.float32)`."
+        )
+    return x
+
+
+def int_array(x, name: str, shape: tuple[int, ...] | None = None, what: str = "") -> Array:
+    """``x`` as an integer array (of ``shape``, when given)."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {x.dtype}.")
+    if shape is not None and x.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {what}{tuple(shape)}, got {x.shape}.")
+    return x
+
+
+def is_host_value(x) -> bool:
+    """True for values that can be read without a device-to-host copy: Python numbers and
+    sequences, numpy arrays, and concrete jax arrays that live on CPU devices."""
+    if isinstance(x, (numbers.Number, np.ndarray, np.generic, list, tuple)):
+        return True
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            return all(d.platform == "cpu" for d in x.devices())
+        except Exception:  # e.g. a deleted or not fully addressable array
+            return False
+    return False
+
+
+def in_range(x, name: str, low: int, high: int, hint: str = "") -> None:
+    """Raises if a host-side integer array has values outside ``[low, high]``.
+
+    Device arrays and tracers are not read (see the module docstring).
+    """
+    if not is_host_value(x):
+        return
+    values = np.asarray(x)
+    if values.size and (values.min() < low or values.max() > high):
+        raise ValueError(
+            f"{name} must be in [{low}, {high}]{hint}, got values from {int(values.min())} "
+            f"to {int(values.max())}."
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# Scalar options
+# ----------------------------------------------------------------------------------------
+
+
+def rate(value, name: str = "dropout_rate") -> None:
+    """A dropout rate: a number (or scalar array) in [0, 1); a traced rate passes."""
+    if isinstance(value, jax.core.Tracer):
+        return  # a traced rate cannot be checked; the caller chose it
+    if not isinstance(value, numbers.Real) and not (
+        isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0
+    ):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}.")
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1), got {value}. It is the probability of *dropping* a "
+            "weight; use deterministic=True (or rate 0) to switch dropout off."
+        )
+
+
+def scale(value) -> None:
+    """The logit multiplier: None (default), a finite number or a float scalar array."""
+    if value is None or isinstance(value, jax.core.Tracer):
+        return
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"scale must be a finite number, got {value}.")
+        return
+    if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0:
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise TypeError(f"scale must be a float, got an array of dtype {value.dtype}.")
+        return
+    raise TypeError(
+        f"scale must be a number (the logit multiplier, default 1/sqrt(head_dim)) or a scalar "
+        f"array, got {type(value).__name__} {np.shape(value) if hasattr(value, 'shape') else ''}."
+    )
+
+
+def flag(value, name: str) -> None:
+    """A static bool option (a traced or array flag would fail later as a tracer-to-bool error)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool (a static option), got {value!r}.")
+
+
+def implementation(value, name: str = "implementation") -> None:
+    """The one list of implementation names (the core's argument, the modules' attribute)."""
+    if value is not None and value not in IMPLEMENTATIONS:
+        names = ", ".join(repr(n) for n in IMPLEMENTATIONS)
+        raise ValueError(
+            f"{name} must be None (automatic) or one of {names}, got {value!r}. 'dense' (alias "
+            "'xla') is the one that also supports forward-mode autodiff (jax.jvp, jax.jacfwd) "
+            "at every length."
+        )
+
+
+def broadcast_dropout(value) -> tuple[bool, bool]:
+    """``(over_batch, over_heads)``: which axes share one dropout mask."""
+    if value is True:
+        return True, True  # one mask for every example and head
+    if value is False:
+        return False, False  # independent, as torch.nn.Dropout in the book
+    if value == "batch":
+        return True, False
+    if value == "heads":
+        return False, True
+    raise ValueError(f"broadcast_dropout must be True, False, 'batch' or 'heads', got {value!r}.")
+
+
+def rng(value, argument: str) -> None:
+    """One ``jax.random`` key (new-style or legacy), required when dropout is active."""
+    if value is None:
+        raise ValueError(
+            f"dropout is active (rate > 0 and deterministic=False) but no random key was "
+            f"given. Pass `{argument}=jax.random.key(seed)` (Linen modules: "
+            "`rngs={'dropout': key}`; NNX: `rngs=nnx.Rngs(dropout=seed)`), or set "
+            "`deterministic=True` for inference."
+        )
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        single = value.shape == ()
+    else:  # legacy raw key data: uint32 [2] (threefry) or [4] (rbg)
+        single = dtype == jnp.uint32 and np.ndim(value) == 1
+    if not single:
+        got = f"{type(value).__name__}" if dtype is None else f"dtype {dtype}, shape {value.shape}"
+        raise TypeError(
+            f"{argument} must be one jax.random key (jax.random.key(seed), or a legacy "
+            f"jax.random.PRNGKey(seed)), got {got}. For a batch of keys, jax.vmap the call."
+        )
+
+
+def window(value, name: str = "local_window_size", *, open_right: bool = False):
+    """A local window as ``(left, right)``: an int ``n`` means ``(n, n)`` (as ``jax.nn``).
+
+    With ``open_right``, ``right`` may be None (no limit on the right).
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        left = right = value
+    else:
+        try:
+            left, right = value
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{name} must be an int or a (left, right) pair of ints, got {value!r}."
+            ) from None
+    left = size(left, f"{name}[0] (left)", allow_zero=True)
+    if right is None and open_right:
+        return left, None
+    return left, size(right, f"{name}[1] (right)", allow_zero=True)
+
+
+def renamed(new_value, old_value, new: str, old: str, where: str):
+    """The value of an argument whose old name is deprecated: warns when the old one is used."""
+    if old_value is None:
+        return new_value
+    import warnings
+
+    warnings.warn(
+        f"{where}: `{old}=` is deprecated, use `{new}=` (one name per idea across jattn).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value
+
+
+# ----------------------------------------------------------------------------------------
+# Arrays of an attention call
+# ----------------------------------------------------------------------------------------
+
+
+def qkv(query, key, value) -> tuple[Array, Array, Array]:
+    """Query, key and value as float arrays ``[batch..., length, heads, head_dim]`` that fit."""
+    query = float_array(query, "query")
+    key = float_array(key, "key")
+    value = float_array(value, "value")
+    expected = "[batch..., length, num_heads, head_dim]"
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim < 3:
+            raise ValueError(
+                f"{name} must have shape {expected} (rank >= 3), got shape {x.shape}. "
+                "Split heads first: x.reshape(*x.shape[:-1], num_heads, head_dim)."
+            )
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(
+            f"query, key and value must have the same rank, got shapes {query.shape}, "
+            f"{key.shape} and {value.shape}."
+        )
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise ValueError(
+            f"query, key and value must share batch dims, got {query.shape[:-3]}, "
+            f"{key.shape[:-3]} and {value.shape[:-3]} (shapes {query.shape}, {key.shape}, "
+            f"{value.shape})."
+        )
+    if key.shape[-3:-1] != value.shape[-3:-1]:
+        raise ValueError(
+            f"key and value must have the same length and number of heads, got shapes "
+            f"{key.shape} and {value.shape}."
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same head_dim (last axis), got {query.shape[-1]} "
+            f"and {key.shape[-1]}."
+        )
+    num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"the number of query heads ({num_heads}) must be a multiple of the number of "
+            f"key/value heads ({num_kv_heads}) for grouped-query attention."
+        )
+    if 0 in query.shape[-3:] or 0 in key.shape[-3:]:
+        raise ValueError(
+            f"lengths, heads and head_dim must be >= 1, got query {query.shape} and key "
+            f"{key.shape}."
+        )
+    return query, key, value
+
+
+def broadcasts(x: Array, target: tuple[int, ...], name: str) -> None:
+    """Raises unless ``x`` broadcasts to the logits shape ``target``."""
+    try:
+        ok = np.broadcast_shapes(x.shape, target) == tuple(target)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {x.shape} does not broadcast to the attention logits shape "
+            f"[batch..., num_heads, q_len, kv_len] = {tuple(target)}. Add singleton axes "
+            f"(e.g. {name}[:, None, :, :]) for the dims it does not vary over."
+        )
+
+
+def bias(value, logits_shape: tuple[int, ...]) -> Array | None:
+    """An additive float bias broadcastable to the logits (None passes)."""
+    if value is None:
+        return None
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"bias must be a float array, got dtype {value.dtype}.")
+    broadcasts(value, logits_shape, "bias")
+    return value
+
+
+def mask(value, logits_shape: tuple[int, ...]) -> Array | None:
+    """A boolean mask (True = attend) broadcastable to the logits; numeric masks count
+    nonzero as attend (flax builds float 0/1 masks). None passes."""
+    if value is None:
+        return None
+    try:
+        value = jnp.asarray(value)
+    except TypeError:
+        raise TypeError(
+            f"mask must be a boolean array (True = attend), got {type(value).__name__} "
+            f"{value!r:.40}. Build one with jattn.causal_mask, or use is_causal=True."
+        ) from None
+    if value.dtype != jnp.bool_:
+        if not (
+            jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)
+        ):
+            raise TypeError(f"mask must be boolean (True = attend), got dtype {value.dtype}.")
+        value = value != 0
+    broadcasts(value, logits_shape, "mask")
+    return value
+
+
+def seq_lengths(value, name: str, batch_shape: tuple[int, ...], limit: int) -> Array | None:
+    """Per-sequence lengths: int ``[batch...]`` in ``[0, limit]`` (None passes)."""
+    if value is None:
+        return None
+    value_in = value
+    value = jnp.asarray(value)
+    if value.shape != batch_shape:
+        raise ValueError(
+            f"{name} must have the batch shape {batch_shape} (one length per sequence), "
+            f"got shape {value.shape}."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {value.dtype}.")
+    in_range(value_in, name, 0, limit, " (the padded length)")
+    return value.astype(jnp.int32)
+
+
+def segment_ids(
+    query_ids, kv_ids, batch_shape: tuple[int, ...], q_len: int, kv_len: int
+) -> tuple[Array | None, Array | None]:
+    """Segment ids of queries and keys, ``[batch..., length]`` ints (keys default to queries)."""
+    if kv_ids is not None and query_ids is None:
+        raise ValueError(
+            "key_value_segment_ids needs query_segment_ids too (the segment of each query)."
+        )
+    if query_ids is None:
+        return None, None
+    if kv_ids is None:
+        if q_len != kv_len:
+            raise ValueError(
+                f"key_value_segment_ids is required when q_len ({q_len}) != kv_len "
+                f"({kv_len}); query_segment_ids stands for both only in self-attention."
+            )
+        kv_ids = query_ids
+    out = []
+    for name, ids, length in (
+        ("query_segment_ids", query_ids, q_len),
+        ("key_value_segment_ids", kv_ids, kv_len),
+    ):
+        ids = int_array(ids, name)
+        if ids.shape != (*batch_shape, length):
+            raise ValueError(
+                f"{name} must have shape [batch..., length] = {(*batch_shape, length)}, "
+                f"got {ids.shape}."
+            )
+        out.append(ids.astype(jnp.int32))
+    return out[0], out[1]
