@@ -181,7 +181,8 @@ class TinyGPT(nn.Module):
                 f"TinyGPT got {t} tokens but context_length is {cfg.context_length}; pass at "
                 f"most the last {cfg.context_length} tokens."
             )
-        pos = jnp.arange(t)  # [T]; [B, T] when decoding
+        # [1, T] (as many dims as the tokens: no implicit rank promotion); [B, T] when decoding
+        pos = jnp.arange(t).reshape((1,) * (tokens_BxT.ndim - 1) + (t,))
         cache = self.variables.get("cache")
         if self.decode and cache:  # (init only creates the caches)
             # Row b's chunk starts where its tokens so far end: the first block's cache length.
