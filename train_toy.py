@@ -17,14 +17,24 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # no "(default: None)" noise
-        if action.default in (None, False):
-            return action.help
+    """Every flag's help ends with its default: the value, or "off" for a switch.
+
+    A flag whose default is worked out later (None to argparse) says it in its own help
+    text, "(default: ...)" in words, instead of a bare "(default: None)".
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default:" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is False and action.nargs == 0:  # a store_true switch
+            return f"{text} (default: off)"
         return super()._get_help_string(action)
 
 
@@ -82,12 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints/<run>/ (orbax). Ctrl-C stops after the current step and saves a "
         "checkpoint there (--resume continues; a second Ctrl-C quits at once). Exit status: "
         "0 done, 2 bad flags or text file, 1 other setup errors (platform not available, "
-        "output folder in use), 3 training diverged (NaN or Inf loss; the last good "
-        "checkpoint is kept), 130 interrupted by Ctrl-C.",
+        "output folder in use, the toy extra not installed), 3 training diverged (NaN or "
+        "Inf loss; the last good checkpoint is kept), 130 interrupted by Ctrl-C.",
     )
-    g = p.add_argument_group("data")
+    _data_flags(p.add_argument_group("data"))
+    _model_flags(p.add_argument_group("model"))
+    _training_flags(p.add_argument_group("training"))
+    _output_flags(p.add_argument_group("output"))
+    _device_flags(
+        p.add_argument_group(
+            "devices",
+            "Every device JAX finds (of every process) is used: the batch is split over a "
+            "'data' mesh axis and, with --model-parallel, the attention heads and MLP units "
+            "over a 'model' axis. Several hosts: run the same command on each, with "
+            "--coordinator, --num-processes and --process-id (or --distributed on a cluster "
+            "JAX detects), and an --out folder every host can reach (checkpoints).",
+        )
+    )
+    return p
+
+
+def _data_flags(g) -> None:
     g.add_argument("--text", metavar="PATH", help="train character-level on this UTF-8 text "
-                   "file instead of the copy task (entropy floor unknown)")  # fmt: skip
+                   "file, whose entropy floor is unknown (default: none: the copy task)")  # fmt: skip
     g.add_argument("--num-symbols", type=_int_at_least(2), metavar="N", default=16,
                    help="copy task: alphabet size of the random prefix")  # fmt: skip
     g.add_argument("--prefix-len", type=_int_at_least(1), metavar="N", default=16,
@@ -98,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=_int_at_least(1), metavar="N", default=32, help="windows per step"
     )
 
-    g = p.add_argument_group("model")
+
+def _model_flags(g) -> None:
     g.add_argument(
         "--d-model", type=_int_at_least(1), metavar="N", default=64, help="residual width"
     )
@@ -111,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=_float_in(0.0, 1.0, high_open=True), metavar="X", default=0.1,
                    help="dropout rate (attention weights, residual, embeddings) in training")  # fmt: skip
 
-    g = p.add_argument_group("training")
+
+def _training_flags(g) -> None:
     g.add_argument("--runs", metavar="NAMES", default="causal,leaky",
                    help="comma-separated runs to train: causal and/or leaky (no causal mask)")  # fmt: skip
     g.add_argument(
@@ -131,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, metavar="N", default=0, help="seed of data, weights and dropout"
     )
 
-    g = p.add_argument_group("output")
+
+def _output_flags(g) -> None:
     g.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default: runs/<date-time>)")  # fmt: skip
     g.add_argument("--resume", action="store_true",
@@ -142,28 +172,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out loss every N steps, for the loss curves")  # fmt: skip
     g.add_argument("--platform", choices=PLATFORMS, default=None,
                    help="JAX platform (default: what JAX finds)")  # fmt: skip
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (the stage messages still print)")  # fmt: skip
 
-    g = p.add_argument_group(
-        "devices",
-        "Every device JAX finds (of every process) is used: the batch is split over a 'data' "
-        "mesh axis and, with --model-parallel, the attention heads and MLP units over a "
-        "'model' axis. Several hosts: run the same command on each, with --coordinator, "
-        "--num-processes and --process-id (or --distributed on a cluster JAX detects), and "
-        "an --out folder every host can reach (checkpoints).",
-    )
+
+def _device_flags(g) -> None:
     g.add_argument("--model-parallel", type=_int_at_least(1), metavar="N", default=1,
                    help="tensor-parallel size: devices per 'model' group (must divide the "
                    "number of devices and --num-heads)")  # fmt: skip
     g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                   help="multi-host: address of process 0, for jax.distributed.initialize")  # fmt: skip
+                   help="multi-host: address of process 0, for jax.distributed.initialize "
+                   "(default: none: one host, or detected with --distributed)")  # fmt: skip
     g.add_argument("--num-processes", type=_int_at_least(1), metavar="N", default=None,
-                   help="multi-host: number of processes (one per host)")  # fmt: skip
+                   help="multi-host: number of processes, one per host (default: 1, or "
+                   "detected with --distributed)")  # fmt: skip
     g.add_argument("--process-id", type=_int_at_least(0), metavar="I", default=None,
-                   help="multi-host: this process's index, 0 .. N-1")  # fmt: skip
+                   help="multi-host: this process's index, 0 .. N-1 (default: 0, or detected "
+                   "with --distributed)")  # fmt: skip
     g.add_argument("--distributed", action="store_true",
                    help="multi-host on a cluster JAX detects (SLURM, Open MPI, Cloud TPU, ...)")  # fmt: skip
-    return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -266,12 +293,22 @@ def _table(summary: dict) -> str:
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def _import_toy():
+    """``jattn.toy``, or a one-line error naming the missing package of the toy extra."""
+    try:
+        import jattn.toy
+    except ImportError as e:
+        if "jattn[toy]" not in str(e):  # not the extra's check: a real bug, show it whole
+            raise
+        _fail(str(e))
+    return jattn.toy
+
+
+def _setup_devices(args):
+    """JAX's devices and the ``('data', 'model')`` mesh; prints what it found."""
     import jax
 
-    from jattn.toy import parallel
-
+    parallel = _import_toy().parallel
     if args.distributed or args.coordinator is not None:  # before anything else touches JAX
         parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     devices = _select_platform(jax, args.platform)
@@ -285,38 +322,72 @@ def main(argv=None) -> int:
     if args.batch_size % data:
         _fail(f"--batch-size ({args.batch_size}) must be a multiple of the data-parallel size "
               f"({data} = {len(devices)} devices / --model-parallel {args.model_parallel})")  # fmt: skip
-    primary = jax.process_index() == 0
     print(f"mesh: data {data} x model {args.model_parallel}, "
           f"process {jax.process_index()} of {jax.process_count()}")  # fmt: skip
+    return mesh, jax.process_index() == 0
 
-    from jattn.toy import CopyTask, GPTConfig, TextTask, TrainConfig, run_experiment
-    from jattn.toy.experiment import OutputFolderError
-    from jattn.toy.train import TrainingDiverged, TrainingInterrupted
 
+def _configs(args, toy) -> tuple:
+    """``(task, model_config, train_config)`` from the flags."""
     try:
         if args.text is not None:
-            task = TextTask(args.text_content, context_length=args.context_length,
-                            batch_size=args.batch_size, seed=args.seed, source=args.text)  # fmt: skip
+            task = toy.TextTask(args.text_content, context_length=args.context_length,
+                                batch_size=args.batch_size, seed=args.seed, source=args.text)  # fmt: skip
         else:
-            task = CopyTask(args.num_symbols, args.prefix_len, args.batch_size, args.seed)
-        model_config = GPTConfig(
+            task = toy.CopyTask(args.num_symbols, args.prefix_len, args.batch_size, args.seed)
+        model_config = toy.GPTConfig(
             task.vocab_size, task.context_length, d_model=args.d_model,
             num_layers=args.num_layers, num_heads=args.num_heads, dropout=args.dropout,
         )  # fmt: skip
-        train_config = TrainConfig(
+        train_config = toy.TrainConfig(
             steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
             weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed,
             checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
         )  # fmt: skip
     except ValueError as e:
         _fail(str(e))
+    return task, model_config, train_config
+
+
+def _written(out: str) -> list[str]:
+    """Everything in the output folder: its files, then ``checkpoints/<run>/`` per run."""
+    folder = Path(out)
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    checkpoints = folder / "checkpoints"
+    runs = (
+        sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) if checkpoints.is_dir() else []
+    )
+    return files + [f"checkpoints/{run}/" for run in runs]
+
+
+def _report(summary: dict, out: str, seconds: float) -> None:
+    """The results table, the sample generation and the files written."""
+    print()
+    print(_table(summary))
+    print("tok/s: training tokens per second without each session's first step (compiling) "
+          "and the held-out evaluations; seconds: with them")  # fmt: skip
+    sample = summary["sample"]
+    print(f"\nsample (held-out) prompt: {sample['prompt']}")
+    for name in ["reference", *summary["runs"]]:
+        print(f"{name:>24}: {sample[name]}")
+    print(f"\nwall time {seconds:.1f} s; wrote {out}/: " + ", ".join(_written(out)))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    mesh, primary = _setup_devices(args)
+    toy = _import_toy()
+    from jattn.toy.experiment import OutputFolderError
+    from jattn.toy.train import TrainingDiverged, TrainingInterrupted
+
+    task, model_config, train_config = _configs(args, toy)
     floor = task.entropy_floor
     print(f"task: {task.name}, vocab {task.vocab_size}, context {task.context_length}, "
           + ("entropy floor unknown" if floor is None else f"entropy floor {floor:.4f} nats/token")
           + f"; output: {args.out}")  # fmt: skip
     t0 = time.perf_counter()
     try:
-        summary = run_experiment(
+        summary = toy.run_experiment(
             task, model_config, train_config, out_dir=args.out, runs=args.runs,
             resume=args.resume, progress=primary and not args.no_progress, mesh=mesh,
         )  # fmt: skip
@@ -336,16 +407,8 @@ def main(argv=None) -> int:
             f"flags> --out {args.out} --resume\n"
         )
         return 130
-    if not primary:  # process 0 writes the files and prints the results
-        return 0
-    print()
-    print(_table(summary))
-    sample = summary["sample"]
-    print(f"\nsample (held-out) prompt: {sample['prompt']}")
-    for name in ["reference", *summary["runs"]]:
-        print(f"{name:>24}: {sample[name]}")
-    print(f"\nwall time {time.perf_counter() - t0:.1f} s; wrote {args.out}/summary.json, "
-          "metrics.jsonl, loss.png, attention.png")  # fmt: skip
+    if primary:  # process 0 writes the files and prints the results
+        _report(summary, args.out, time.perf_counter() - t0)
     return 0
 
 

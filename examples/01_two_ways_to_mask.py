@@ -13,10 +13,18 @@ checked on the book's sentence for one draw (the one plotted), and for many draw
 with ``jax.jit(jax.vmap(...))``.
 
     python examples/01_two_ways_to_mask.py --seeds 1000
+
+Writes ``01_two_ways_to_mask.png`` into ``--out`` (default: ``runs/examples/`` under the
+current folder, git-ignored). The picture committed as
+``docs/examples/01_two_ways_to_mask.png`` (shown in the README) is regenerated, from the
+repository root, by::
+
+    python examples/01_two_ways_to_mask.py --out docs/examples
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 
@@ -27,6 +35,8 @@ import numpy as np
 
 import jattn
 from jattn import viz
+
+PICTURE = "01_two_ways_to_mask.png"  # written into --out
 
 
 def renormalised_weights(x, w_query, w_key):
@@ -110,13 +120,18 @@ def plot(result: Result, path) -> None:
     viz.save_figure(fig, path)
 
 
-def main(argv=None) -> Result:
-    p = _common.parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared ``--out`` and this example's sizes and seed."""
+    p = _common.parser(__doc__, PICTURE)
     p.add_argument(
         "--seeds", type=int, default=256, help="random (W_query, W_key) draws to compare"
     )
     p.add_argument("--seed", type=int, default=789, help="PRNG seed")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Result:
+    args = build_parser().parse_args(argv)
     result = measure(num_seeds=args.seeds, seed=args.seed)
     print("weights, softmax -> zero upper triangle -> renormalise rows:")
     print(np.array2string(result.renormalised, precision=4, suppress_small=True))
@@ -126,7 +141,7 @@ def main(argv=None) -> Result:
         f"{result.max_diff_jattn_book:.2e}"
     )
     print(f"max over {result.num_seeds} random weight draws: {result.max_diff_seeds:.2e}")
-    path = args.out / "01_two_ways_to_mask.png"
+    path = args.out / PICTURE
     plot(result, path)
     print(f"saved {path}")
     return result

@@ -17,10 +17,17 @@ scaled/unscaled and over random seeds:
   over rows and seeds (a few near-tie rows keep the mean up).
 
     python examples/02_why_scale.py --max-log2-dk 12 --seeds 128
+
+Writes ``02_why_scale.png`` into ``--out`` (default: ``runs/examples/`` under the current
+folder, git-ignored). The picture committed as ``docs/examples/02_why_scale.png`` (shown in
+the README) is regenerated, from the repository root, by::
+
+    python examples/02_why_scale.py --out docs/examples
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 
@@ -31,6 +38,8 @@ import numpy as np
 
 import jattn
 from jattn import viz
+
+PICTURE = "02_why_scale.png"  # written into --out
 
 
 def row_stats(key, d_k, scale, *, num_tokens: int, max_dk: int, v_dim: int = 8):
@@ -122,13 +131,18 @@ def plot(result: Result, path) -> None:
     viz.save_figure(fig, path)
 
 
-def main(argv=None) -> Result:
-    p = _common.parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared ``--out`` and this example's sizes and seed."""
+    p = _common.parser(__doc__, PICTURE)
     p.add_argument("--max-log2-dk", type=int, default=10, help="largest d_k is 2**this")
     p.add_argument("--seeds", type=int, default=64, help="random draws per d_k (vmapped)")
     p.add_argument("--tokens", type=int, default=32, help="sequence length T")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Result:
+    args = build_parser().parse_args(argv)
     result = measure(args.max_log2_dk, args.seeds, args.tokens, args.seed)
     print(f"{'d_k':>6} | entropy unscaled  scaled | grad unscaled    scaled")
     for i, d in enumerate(result.d_k):
@@ -137,7 +151,7 @@ def main(argv=None) -> Result:
             f" | {result.grad_norm['unscaled'][i]:13.2e} {result.grad_norm['scaled'][i]:9.2e}"
         )
     print(f"(a uniform row has entropy log T = {result.max_entropy:.3f})")
-    path = args.out / "02_why_scale.png"
+    path = args.out / PICTURE
     plot(result, path)
     print(f"saved {path}")
     return result

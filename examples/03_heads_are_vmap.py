@@ -18,10 +18,18 @@ random batch, which is also timed under ``jax.jit`` (best of ``--repeats`` calls
 ratios are what to read, not the absolute times).
 
     python examples/03_heads_are_vmap.py --batch 16 --tokens 256 --heads 12 --head-dim 64
+
+Writes ``03_heads_are_vmap.png`` into ``--out`` (default: ``runs/examples/`` under the
+current folder, git-ignored). The picture committed as
+``docs/examples/03_heads_are_vmap.png`` (shown in the README) is regenerated, from the
+repository root, by::
+
+    python examples/03_heads_are_vmap.py --out docs/examples
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import convert, linen, viz
+
+PICTURE = "03_heads_are_vmap.png"  # written into --out
 
 
 def stack_heads(wrapper_params, num_heads: int):
@@ -155,8 +165,9 @@ def plot(result: Result, path) -> None:
     viz.save_figure(fig, path)
 
 
-def main(argv=None) -> Result:
-    p = _common.parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared ``--out`` and this example's sizes and seed."""
+    p = _common.parser(__doc__, PICTURE)
     p.add_argument("--batch", type=int, default=4, help="batch size of the timed input")
     p.add_argument("--tokens", type=int, default=64, help="sequence length of the timed input")
     p.add_argument("--d-in", type=int, default=32, help="input width of the timed input")
@@ -164,7 +175,11 @@ def main(argv=None) -> Result:
     p.add_argument("--head-dim", type=int, default=16, help="width of each head")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per form (best kept)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Result:
+    a = build_parser().parse_args(argv)
     r = measure(a.batch, a.tokens, a.d_in, a.heads, a.head_dim, a.repeats, a.seed)
     print(
         f"max |difference| between loop, vmap and split: book sentence {r.max_diff_book:.2e}, "
@@ -173,7 +188,7 @@ def main(argv=None) -> Result:
     print("best seconds per jitted call (batch, tokens, d_in, heads, head_dim) = " + str(r.size))
     for name, s in r.seconds.items():
         print(f"  {name:>5}: {s * 1e3:8.3f} ms  ({s / r.seconds['split']:.2f}x split)")
-    path = a.out / "03_heads_are_vmap.png"
+    path = a.out / PICTURE
     plot(r, path)
     print(f"saved {path}")
     return r

@@ -14,10 +14,18 @@ num_heads=2)`` on the book's sentence (a Jacobian shows the effect of a change i
 so it sees through the weights, unlike a plot of the attention weights).
 
     python examples/04_causality_seen.py --d-out 8 --heads 4
+
+Writes ``04_causality_seen.png`` into ``--out`` (default: ``runs/examples/`` under the
+current folder, git-ignored). The picture committed as
+``docs/examples/04_causality_seen.png`` (shown in the README) is regenerated, from the
+repository root, by::
+
+    python examples/04_causality_seen.py --out docs/examples
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 
@@ -27,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import causality, linen, viz
+
+PICTURE = "04_causality_seen.png"  # written into --out
 
 
 @dataclass
@@ -89,12 +99,17 @@ def plot(result: Result, path) -> None:
     viz.save_figure(fig, path)
 
 
-def main(argv=None) -> Result:
-    p = _common.parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared ``--out`` and this example's sizes and seed."""
+    p = _common.parser(__doc__, PICTURE)
     p.add_argument("--d-out", type=int, default=4, help="MultiHeadAttention width")
     p.add_argument("--heads", type=int, default=2, help="number of heads (divides --d-out)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of the weights")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Result:
+    args = build_parser().parse_args(argv)
     r = measure(args.d_out, args.heads, args.seed)
     for name, dep in (("causal", r.causal), ("is_causal=False", r.leaky)):
         print(f"{name}: D[i, j] = max |d out[i] / d in[j]|")
@@ -105,7 +120,7 @@ def main(argv=None) -> Result:
         f"min on and below it = {r.causal_past_min:.3g}"
     )
     print(f"is_causal=False: min above the diagonal = {r.leaky_future_min:.3g}")
-    path = args.out / "04_causality_seen.png"
+    path = args.out / PICTURE
     plot(r, path)
     print(f"saved {path}")
     return r

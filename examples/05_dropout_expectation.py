@@ -14,10 +14,18 @@ Setup: the book's sentence, trainable W_query, W_key, W_value [3, 2] uniform in 
 from a fixed seed, causal attention, ``rate = 0.5`` as in the chapter.
 
     python examples/05_dropout_expectation.py --max-log2-keys 14 --rate 0.1
+
+Writes ``05_dropout_expectation.png`` into ``--out`` (default: ``runs/examples/`` under the
+current folder, git-ignored). The picture committed as
+``docs/examples/05_dropout_expectation.png`` (shown in the README) is regenerated, from the
+repository root, by::
+
+    python examples/05_dropout_expectation.py --out docs/examples
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 
@@ -28,6 +36,8 @@ import numpy as np
 
 import jattn
 from jattn import viz
+
+PICTURE = "05_dropout_expectation.png"  # written into --out
 
 
 def book_qkv(seed: int, d_out: int = 2):
@@ -74,7 +84,7 @@ def measure(max_log2_keys: int = 10, repeats: int = 32, rate: float = 0.5, seed:
     grouped = outs.reshape(repeats, n_max, *exact.shape)
     running = jnp.cumsum(grouped, axis=1) / jnp.arange(1, n_max + 1)[None, :, None, None, None]
     # [R, len(num_keys), T, 1, d]: the mean of the first n keys of each group, n = 1, 2, 4, ...
-    errors = running[:, num_keys - 1] - exact
+    errors = running[:, num_keys - 1] - exact[None, None]
     rms = np.sqrt(np.mean(np.asarray(errors) ** 2, axis=(0, 2, 3, 4)))
     slope = float(np.polyfit(np.log(num_keys), np.log(rms), 1)[0])
 
@@ -122,13 +132,18 @@ def plot(result: Result, path) -> None:
     viz.save_figure(fig, path)
 
 
-def main(argv=None) -> Result:
-    p = _common.parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared ``--out`` and this example's sizes and seed."""
+    p = _common.parser(__doc__, PICTURE)
     p.add_argument("--max-log2-keys", type=int, default=10, help="largest n is 2**this")
     p.add_argument("--repeats", type=int, default=32, help="disjoint groups of n keys per point")
     p.add_argument("--rate", type=float, default=0.5, help="dropout rate")
     p.add_argument("--seed", type=int, default=123, help="PRNG seed")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Result:
+    args = build_parser().parse_args(argv)
     r = measure(args.max_log2_keys, args.repeats, args.rate, args.seed)
     print(f"{'keys':>6}  RMS error")
     for n, e in zip(r.num_keys, r.rms_error, strict=True):
@@ -143,7 +158,7 @@ def main(argv=None) -> Result:
         f"same key -> same mask: {r.same_key_same_mask}; "
         f"another key -> another mask: {r.other_key_other_mask}"
     )
-    path = args.out / "05_dropout_expectation.png"
+    path = args.out / PICTURE
     plot(r, path)
     print(f"saved {path}")
     return r

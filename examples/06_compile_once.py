@@ -12,10 +12,17 @@ tracing); time is wall-clock for the whole stream, compilations included, measur
 one process, so compare the two numbers as a ratio.
 
     python examples/06_compile_once.py --requests 64 --max-len 256
+
+Writes ``06_compile_once.png`` into ``--out`` (default: ``runs/examples/`` under the current
+folder, git-ignored). The picture committed as ``docs/examples/06_compile_once.png`` (shown
+in the README) is regenerated, from the repository root, by::
+
+    python examples/06_compile_once.py --out docs/examples
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +33,8 @@ import numpy as np
 
 import jattn
 from jattn import viz
+
+PICTURE = "06_compile_once.png"  # written into --out
 
 
 def bucket_length(length: int, min_bucket: int = 8) -> int:
@@ -50,7 +59,7 @@ def make_attention(w_qkv, counter: list):
         # [T, 1 head, d_model] each
         q, k, v = ((x @ w)[:, None, :] for w in w_qkv)
         t = x.shape[0]
-        mask = jattn.causal_mask(t)  # [T, T]
+        mask = jattn.causal_mask(t)[None]  # [1, T, T]: the padding mask's rank
         if length is not None:
             # [1, T, T]: padding queries see nothing (zero output), padding keys are hidden
             padding = jattn.padding_mask_from_lengths(length, length, q_len=t, kv_len=t)
@@ -146,13 +155,18 @@ def plot(result: Result, path) -> None:
     viz.save_figure(fig, path)
 
 
-def main(argv=None) -> Result:
-    p = _common.parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared ``--out`` and this example's sizes and seed."""
+    p = _common.parser(__doc__, PICTURE)
     p.add_argument("--requests", type=int, default=12, help="sequences in the stream")
     p.add_argument("--max-len", type=int, default=64, help="longest sequence")
     p.add_argument("--d-model", type=int, default=16, help="embedding width")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> Result:
+    args = build_parser().parse_args(argv)
     r = measure(args.requests, args.max_len, args.d_model, args.seed)
     print(
         f"{len(r.lengths)} requests, {r.distinct_lengths} distinct lengths, "
@@ -168,7 +182,7 @@ def main(argv=None) -> Result:
         f"max |raw - bucketed| on real tokens: {r.max_abs_diff:.2e}; "
         f"padding rows exactly zero: {r.padded_rows_zero}"
     )
-    path = args.out / "06_compile_once.png"
+    path = args.out / PICTURE
     plot(r, path)
     print(f"saved {path}")
     return r

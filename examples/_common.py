@@ -2,6 +2,12 @@
 
 The examples are scripts (``python examples/01_two_ways_to_mask.py``); Python puts this
 folder on ``sys.path`` when it runs one, so they import this module as ``_common``.
+
+Each writes its picture to ``--out``, by default ``runs/examples/`` under the current
+folder (``runs/`` is git-ignored), so a run never overwrites the pictures committed under
+``docs/examples/`` (shown in the README). To regenerate those, from the repository root::
+
+    for f in examples/0*.py; do python "$f" --out docs/examples; done
 """
 
 from __future__ import annotations
@@ -13,24 +19,35 @@ import jax
 
 from jattn import book
 
-# Where the default runs write their pictures (committed, and shown in the README).
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "examples"
+# Where the pictures go by default: beside train_toy.py's runs/<date-time> (git-ignored),
+# relative to the current folder. The committed ones are made with --out docs/examples.
+DEFAULT_OUT = Path("runs") / "examples"
+COMMITTED_OUT = "docs/examples"
 
 # The chapter's running example, "Your journey starts with one step": 6 tokens, 3-d embeddings.
 BOOK_TOKENS = list(book.TOKENS)
 BOOK_INPUTS = book.INPUTS
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """An argument parser with the example's docstring as help and the shared ``--out`` flag."""
-    p = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every flag's help ending with its default."""
+
+
+def parser(doc: str | None, picture: str) -> argparse.ArgumentParser:
+    """An argument parser with the example's docstring as help and the shared ``--out`` flag.
+
+    Args:
+      doc: the example's docstring.
+      picture: the PNG it writes into ``--out``, e.g. ``'01_two_ways_to_mask.png'``.
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=_Formatter)
     p.add_argument(
         "--out",
         type=Path,
+        metavar="DIR",
         default=DEFAULT_OUT,
-        help="folder for the PNG (default: docs/examples in the repository)",
+        help=f"folder for {picture}, under the current folder unless absolute (runs/ is "
+        f"git-ignored; --out {COMMITTED_OUT} replaces the picture committed there)",
     )
     return p
 

@@ -14,9 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _cli import help_entries
 from conftest import BOOK_INPUTS
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES_DIR = ROOT / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -49,11 +51,36 @@ def test_every_example_is_listed():
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_help(name, capsys):
+def test_help_shows_every_default_and_how_to_regenerate_the_picture(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load(name).main(["--help"])
     assert exit_info.value.code == 0
-    assert "--out" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    entries = help_entries(text)
+    assert "--out" in entries and "--seed" in entries
+    defaults = vars(load(name).build_parser().parse_args([]))
+    for flag, entry in entries.items():
+        if flag == "--help":
+            continue
+        # The default shown is the one the example really uses.
+        default = defaults[flag.lstrip("-").replace("-", "_")]
+        assert f"(default: {default})" in entry, entry
+    assert "(default: runs/examples)" in entries["--out"]
+    # The docstring says how the committed picture is regenerated.
+    assert f"python examples/{name}.py --out docs/examples" in " ".join(text.split())
+
+
+def test_default_output_folder_is_runs_examples_not_docs(tmp_path, monkeypatch):
+    """Without --out an example writes under ./runs/examples and leaves docs/examples alone."""
+    committed = ROOT / "docs" / "examples" / "04_causality_seen.png"
+    before = committed.stat().st_mtime_ns, committed.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    load("04_causality_seen").main([])
+    png = tmp_path / "runs" / "examples" / "04_causality_seen.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert (committed.stat().st_mtime_ns, committed.read_bytes()) == before
+    default = load("04_causality_seen")._common.DEFAULT_OUT
+    assert not default.is_absolute() and default.parts[0] == "runs"
 
 
 # --- 1. Two ways to mask -------------------------------------------------------------------

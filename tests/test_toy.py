@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cli import load_train_toy
+from _cli import help_entries, load_train_toy
 from flax import nnx
 
 import jattn.nnx
@@ -39,10 +39,12 @@ from jattn.toy import (
     greedy_generate,
     init_state,
     make_train_step,
+    plots,
     run_experiment,
 )
 from jattn.toy.experiment import OutputFolderError
-from jattn.toy.train import make_optimizer, next_token_loss
+from jattn.toy.plots import trailing_geometric_mean
+from jattn.toy.train import make_optimizer, next_token_loss, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,6 +140,69 @@ def test_cli_run_outputs(cli_run):
         assert rows[name][1] == cli._loss(run["train_loss"])
         assert rows[name][5] == f"{run['generation_accuracy']:.3f}"
         assert rows[name][6] == f"{run['cached_generation_accuracy']:.3f}"
+
+
+def test_cli_says_what_it_is_doing(cli_run):
+    """Each slow stage is announced before it starts and timed after it ends, in order."""
+    _, stdout, _ = cli_run
+    lines = stdout.splitlines()
+
+    def index(start: str) -> int:
+        found = [i for i, line in enumerate(lines) if line.startswith(start)]
+        assert len(found) == 1, f"expected one line starting {start!r} in:\n{stdout}"
+        return found[0]
+
+    order = [index("making 256 held-out windows..."), index("made 256 held-out windows in ")]
+    for run in ("causal", "leaky"):
+        order += [
+            index(f"{run}: compiling: initial state, held-out loss, training step..."),
+            index(f"{run}: compiled in "),
+            index(f"{run}: measuring: "),
+            index(f"{run}: measured in "),
+        ]
+    order += [index("writing summary.json, plotting loss.png and attention.png..."),
+              index("written in ")]  # fmt: skip
+    assert order == sorted(order)
+    compiled = lines[index("causal: compiled in ")]
+    # The first update (it compiles the step) is timed and kept out of the throughput.
+    assert "training step with update 1 " in compiled and compiled.endswith("left out of tok/s")
+    for stage in ("held-out loss", "future leak", "generation", "KV-cache generation"):
+        assert f"{stage} " in lines[index("causal: measured in ")]
+    assert any(line.startswith("tok/s: ") for line in lines)  # the table says what it counts
+
+
+def test_cli_lists_every_file_it_wrote(cli_run):
+    out, stdout, _ = cli_run
+    prefix = f"; wrote {out}/: "
+    (line,) = [line for line in stdout.splitlines() if prefix in line]
+    listed = line.split(prefix, 1)[1].split(", ")
+    on_disk = sorted(p.name for p in out.iterdir() if p.is_file())
+    runs = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert listed == on_disk + [f"checkpoints/{run}/" for run in runs]
+    for name in ("config.json", "metrics.jsonl", "summary.json", "loss.png", "attention.png",
+                 "checkpoints/causal/", "checkpoints/leaky/"):  # fmt: skip
+        assert name in listed
+
+
+def test_cli_help_shows_every_default(capsys):
+    cli = load_train_toy()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    entries = help_entries(capsys.readouterr().out)
+    parsed = vars(cli.build_parser().parse_args([]))
+    assert len(entries) == len(parsed) + 1  # every flag, and --help
+    for flag, entry in entries.items():
+        if flag == "--help":
+            continue
+        default = parsed[flag.lstrip("-").replace("-", "_")]
+        if default is False:  # a switch
+            assert entry.endswith("(default: off)"), entry
+        elif default is None:  # worked out later: said in words
+            assert "(default: " in entry and "(default: None)" not in entry, entry
+        else:  # the value the script really uses
+            assert entry.endswith(f"(default: {default})"), entry
+    assert entries["--seed"].endswith("(default: 0)")
 
 
 def test_resume_equals_uninterrupted(cli_run, tmp_path):
@@ -424,7 +489,7 @@ class NNXTinyGPT(nnx.Module):
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
 
     def __call__(self, tokens, *, deterministic=True):
-        x = self.tok_emb(tokens) + self.pos_emb(jnp.arange(tokens.shape[-1]))
+        x = self.tok_emb(tokens) + self.pos_emb(jnp.arange(tokens.shape[-1])[None])  # [1, T, D]
         x = self.drop(x, deterministic=deterministic)
         for i in range(self.num_layers):
             x = getattr(self, f"blocks_{i}")(x, deterministic=deterministic)
@@ -462,3 +527,141 @@ def test_nnx_gpt_trains_like_the_linen_gpt():
     chex.assert_trees_all_close(
         convert.nnx_to_linen(nnx_model)["params"], state.params, rtol=1e-5, atol=1e-6
     )
+
+
+# ----------------------------------------------------------------------------------------
+# The timing train() reports, the pictures, the package
+# ----------------------------------------------------------------------------------------
+
+
+def test_train_reports_its_first_step_and_evaluation_time():
+    """on_first_step comes once, before any log, with the first update's time; evals are timed."""
+    task, model_cfg, train_cfg = _tiny_configs()
+    cfg = dataclasses.replace(train_cfg, eval_every=2, log_every=2)
+    events = []
+    state, timing = train(
+        TinyGPT(model_cfg), task, cfg, init_state(model_cfg, cfg), until=4,
+        on_first_step=lambda seconds: events.append(("first", seconds)),
+        on_log=lambda records: events.append(("log", [r["step"] for r in records])),
+        on_eval=lambda step, state: events.append(("eval", step)),
+    )  # fmt: skip
+    assert events[0] == ("first", timing["first_step_seconds"])
+    assert [e for e in events if e[0] != "first"] == [
+        ("log", [1, 2]), ("eval", 2), ("log", [3, 4]), ("eval", 4)
+    ]  # fmt: skip
+    assert timing["steps"] == 4 and int(state.step) == 4
+    assert 0 < timing["first_step_seconds"] < timing["seconds"]
+    assert 0 < timing["eval_seconds"] < timing["seconds"]
+
+
+def test_trailing_geometric_mean():
+    values = np.array([1.0, 100.0, 1e-4, 10.0, 1e-2])
+    # By hand: exp(mean(log(window))) over the last (up to) 3 values.
+    expected = [1.0, 10.0, (1.0 * 100.0 * 1e-4) ** (1 / 3), (100.0 * 1e-4 * 10.0) ** (1 / 3),
+                (1e-4 * 10.0 * 1e-2) ** (1 / 3)]  # fmt: skip
+    np.testing.assert_allclose(trailing_geometric_mean(values, 3), expected, rtol=1e-12)
+    np.testing.assert_allclose(trailing_geometric_mean(values, 1), values, rtol=1e-12)
+
+
+def _figure_of(plot, monkeypatch, *args, **kwargs):
+    """Calls ``plot`` and returns the matplotlib figure it saved."""
+    saved = []
+    monkeypatch.setattr(plots.viz, "save_figure", lambda fig, path: saved.append(fig) or path)
+    plot(*args, **kwargs)
+    (fig,) = saved
+    return fig
+
+
+def test_attention_plot_has_a_title_and_a_labelled_colour_bar(monkeypatch):
+    rng = np.random.default_rng(0)
+    weights = rng.random((2, 4, 4))
+    weights /= weights.sum(-1, keepdims=True)
+    fig = _figure_of(
+        plots.plot_attention, monkeypatch, {"causal": [weights], "leaky": [weights]},
+        list("abcd"), "unused.png", title="copy task: attention",
+    )  # fmt: skip
+    title = fig.get_suptitle()
+    assert (
+        title.startswith("copy task: attention")
+        and "blank in the causal panels: hidden by the causal mask" in title
+    )
+    panels = [ax for ax in fig.axes if ax.images]
+    bars = [ax for ax in fig.axes if not ax.images]
+    assert len(panels) == 4 and len(bars) == 1  # one shared colour bar for the 2 x 2 panels
+    assert bars[0].get_ylabel() == "attention weight (each query row sums to 1)"
+    assert all(ax.images[0].get_clim() == (0.0, 1.0) for ax in panels)  # the bar's scale
+
+
+def test_loss_plot_says_which_curves_are_smoothed_and_how(monkeypatch):
+    records = [{"run": "causal", "step": s, "loss": 2.0 / s} for s in range(1, 31)]
+    records += [{"run": "causal", "step": 30, "eval_loss": 0.1}]
+    fig = _figure_of(plots.plot_losses, monkeypatch, records, 0.05, "unused.png", window=7)
+    (ax,) = fig.axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == [
+        "causal: train, each step (dropout on)",
+        "causal: train, smoothed: geometric mean of the last 7 steps",
+        "causal: held-out (dropout off)",
+        "entropy floor 0.050 nats",
+    ]
+    smoothed = ax.get_lines()[1].get_ydata()
+    np.testing.assert_allclose(smoothed, trailing_geometric_mean(2.0 / np.arange(1, 31), 7))
+
+
+def _python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_jattn_toy_is_a_lazy_attribute_of_jattn():
+    proc = _python(
+        "import sys, jattn\n"
+        "assert 'jattn.toy' not in sys.modules and 'optax' not in sys.modules\n"
+        "print(jattn.toy.TinyGPT.__module__, jattn.toy.run_experiment.__module__)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["jattn.toy.model", "jattn.toy.experiment"]
+
+
+def test_a_missing_toy_dependency_is_named_with_the_fix():
+    """Without optax (orbax, tqdm, matplotlib), `import jattn.toy` names it and the extra."""
+    proc = _python(
+        "import sys\n"
+        "for name in ['optax', 'orbax.checkpoint', 'tqdm', 'matplotlib']:\n"
+        "    saved, sys.modules[name] = sys.modules.get(name), None  # None: import fails\n"
+        "    try:\n"
+        "        import jattn.toy\n"
+        "        print('imported')\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        print(repr(e.name), '|', e)\n"
+        "    if saved is None:\n"
+        "        del sys.modules[name]\n"
+        "    else:\n"
+        "        sys.modules[name] = saved\n"
+        "import jattn.toy  # every package back: it imports\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    packages = {"optax": "optax", "orbax.checkpoint": "orbax-checkpoint", "tqdm": "tqdm",
+                "matplotlib": "matplotlib"}  # fmt: skip
+    assert len(lines) == len(packages)
+    for line, (module, package) in zip(lines, packages.items(), strict=True):
+        assert line == (
+            f"{module!r} | jattn.toy (the training demo) needs {package}, not installed. "
+            f"Install the toy extra: pip install 'jattn[toy]' (or: pip install {package})."
+        )
+
+
+def test_train_toy_without_the_extra_fails_in_one_line(tmp_path):
+    proc = _python(
+        "import runpy, sys\n"
+        "sys.modules['tqdm'] = None\n"
+        f"sys.argv = ['train_toy.py', '--steps', '1', '--out', {str(tmp_path / 'x')!r}]\n"
+        "runpy.run_path('train_toy.py', run_name='__main__')\n"
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("train_toy.py: error: jattn.toy (the training demo) needs tqdm")
+    assert "pip install 'jattn[toy]'" in proc.stderr
+    assert not (tmp_path / "x").exists()

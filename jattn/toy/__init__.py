@@ -17,11 +17,47 @@ Pieces, each replaceable on its own:
   and written to disk.
 """
 
-from jattn.toy.data import CopyTask, TextTask
-from jattn.toy.experiment import RUNS, evaluate, run_experiment
-from jattn.toy.generate import generation_accuracy, greedy_generate
-from jattn.toy.model import GPTConfig, TinyGPT, init_variables
-from jattn.toy.train import Checkpointer, TrainConfig, TrainState, init_state, make_train_step
+import importlib.util as _importlib_util
+
+# The demo's own dependencies, the ``toy`` extra (module -> pip distribution). Checked
+# here, before any submodule imports them, so a missing one is named with the fix
+# instead of surfacing as a bare ModuleNotFoundError deep inside a submodule. Only looked
+# up (find_spec), not imported: orbax, tqdm and matplotlib stay lazy until used.
+_REQUIRED = {
+    "optax": "optax",
+    "orbax.checkpoint": "orbax-checkpoint",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return _importlib_util.find_spec(module) is not None
+    except (ImportError, ValueError):  # its parent package is missing, or blocked
+        return False
+
+
+def _check_requirements() -> None:
+    """Raises ModuleNotFoundError naming every missing package of the toy extra."""
+    missing = [module for module in _REQUIRED if not _installed(module)]
+    if missing:
+        packages = [_REQUIRED[module] for module in missing]
+        raise ModuleNotFoundError(
+            f"jattn.toy (the training demo) needs {', '.join(packages)}, not installed. "
+            f"Install the toy extra: pip install 'jattn[toy]' (or: pip install "
+            f"{' '.join(packages)}).",
+            name=missing[0],
+        )
+
+
+_check_requirements()
+
+from jattn.toy.data import CopyTask, TextTask  # noqa: E402
+from jattn.toy.experiment import RUNS, evaluate, run_experiment  # noqa: E402
+from jattn.toy.generate import generation_accuracy, greedy_generate  # noqa: E402
+from jattn.toy.model import GPTConfig, TinyGPT, init_variables  # noqa: E402
+from jattn.toy.train import Checkpointer, TrainConfig, TrainState, init_state, make_train_step  # noqa: E402
 
 __all__ = [
     "RUNS",

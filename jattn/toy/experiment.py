@@ -2,8 +2,9 @@
 
 :func:`run_experiment` is what ``train_toy.py`` calls: it trains each run (resuming from
 its checkpoints if asked), measures the four numbers of the demo, and writes
-``config.json``, ``metrics.jsonl``, ``summary.json``, ``loss.png`` and ``attention.png``
-under the output folder.
+``config.json``, ``metrics.jsonl``, ``summary.json``, ``loss.png``, ``attention.png`` and
+``checkpoints/<run>/`` under the output folder. It says what it is doing as it goes: each
+slow stage (compiling, measuring, plotting) is announced before it starts and timed after.
 
 ``summary.json``::
 
@@ -23,17 +24,21 @@ under the output folder.
            "steps": int,         # updates done
            "seconds": float,     # training wall time of every session: compiling and
                                  # held-out evaluation included, checkpoint writes not
-           "tokens_per_second": float}    # predicted tokens/s, first step (compiling) excluded
+           "tokens_per_second": float}    # predicted tokens/s of the training steps: each
+                                 # session's first step (compiling) and the held-out
+                                 # evaluations left out
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +64,7 @@ __all__ = [
     "RUNS",
     "MetricsLog",
     "OutputFolderError",
+    "Stopwatch",
     "attention_weights",
     "evaluate",
     "run_experiment",
@@ -180,25 +186,57 @@ def evaluate(model: TinyGPT, variables, task, eval_windows, *, seed: int) -> dic
       of a held-out window changes; exactly 0 for a causal model) and
       ``generation_accuracy`` (greedy generation after the prompt, rerunning the fixed
       window), ``cached_generation_accuracy`` (the same through the KV cache; equal for a
-      causal model), plus ``generated``: the fixed-window continuations ``[N, M]``.
+      causal model), plus ``generated``: the fixed-window continuations ``[N, M]``, and
+      ``timings``: the seconds each measurement took (compiling included), by name.
     """
-    eval_loss = mean_loss(model, variables, eval_windows)
-    leak = future_leak(
-        model,
-        variables,
-        eval_windows[:8, :-1],  # [8, T]: the probe changes one position at a time
-        vocab_size=task.vocab_size,
-        key=stream_key(seed, "probe"),
-    )
-    accuracy, generated = generation_accuracy(model, variables, eval_windows, task.prompt_len)
-    cached, _ = generation_accuracy(model, variables, eval_windows, task.prompt_len, cached=True)
+    watch = Stopwatch()
+    with watch.lap("held-out loss"):
+        eval_loss = float(mean_loss(model, variables, eval_windows))
+    with watch.lap("future leak"):
+        leak = future_leak(
+            model,
+            variables,
+            eval_windows[:8, :-1],  # [8, T]: the probe changes one position at a time
+            vocab_size=task.vocab_size,
+            key=stream_key(seed, "probe"),
+        )
+    with watch.lap("generation"):
+        accuracy, generated = generation_accuracy(model, variables, eval_windows, task.prompt_len)
+    with watch.lap("KV-cache generation"):
+        cached, _ = generation_accuracy(
+            model, variables, eval_windows, task.prompt_len, cached=True
+        )
     return {
-        "eval_loss": float(eval_loss),
+        "eval_loss": eval_loss,
         "future_leak": float(leak),
         "generation_accuracy": accuracy,
         "cached_generation_accuracy": cached,
         "generated": np.asarray(generated),
+        "timings": watch.laps,
     }
+
+
+class Stopwatch:
+    """Seconds of named phases: ``with watch.lap('name'): ...``; ``str(watch)`` lists them."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def lap(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.laps[name] = self.laps.get(name, 0.0) + time.perf_counter() - start
+
+    def total(self) -> float:
+        """Seconds since the stopwatch was made."""
+        return time.perf_counter() - self._start
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.laps.items())
 
 
 def attention_weights(model: TinyGPT, variables, tokens_T) -> list[np.ndarray]:
@@ -287,7 +325,8 @@ def run_experiment(
       until: stop every run after this many updates (a later ``resume=True`` call
         finishes it, ending exactly where an uninterrupted run ends).
       num_eval: held-out windows for the measurements.
-      echo: where one-line messages go.
+      echo: where one-line messages go: what each stage is doing before it starts
+        (compiling, measuring, plotting), and its time after.
       mesh: the ``('data', 'model')`` device mesh to train on
         (:func:`jattn.toy.parallel.make_mesh`; default: the 1x1 mesh of the default
         device). The results do not depend on it beyond float rounding. With several
@@ -310,10 +349,9 @@ def run_experiment(
     if unknown or not runs or len(set(runs)) != len(runs):
         raise ValueError(f"runs must be distinct names from {sorted(RUNS)}, got {list(runs)}.")
     out = Path(out_dir)
-    model_record = {k: v for k, v in dataclasses.asdict(model_config).items() if k != "causal"}
     record = {
         "task": task.describe(),
-        "model": model_record,
+        "model": {k: v for k, v in dataclasses.asdict(model_config).items() if k != "causal"},
         "train": dataclasses.asdict(train_config),
         "runs": list(runs),
     }
@@ -321,29 +359,17 @@ def run_experiment(
     primary = jax.process_index() == 0
     _check_config(out, record, resume, write=primary)
     log = MetricsLog(out / "metrics.jsonl" if primary else None)
-    eval_windows = task.eval_set(num_eval)
-    tokens_per_step = task.batch_size * (eval_windows.shape[1] - 1)
-    results, attention, samples = {}, {}, {}
+    echo(f"making {num_eval} held-out windows...")
+    watch = Stopwatch()
+    eval_windows = jax.block_until_ready(task.eval_set(num_eval))
+    echo(f"made {num_eval} held-out windows in {watch.total():.1f} s")
+    measured = {}
     for name in runs:
         model = TinyGPT(dataclasses.replace(model_config, causal=RUNS[name]))
-        ckpt = Checkpointer(out / "checkpoints" / name)
-        state = init_state(model.config, train_config, mesh)
-        before = {"seconds": 0.0, "steady_seconds": 0.0, "steady_steps": 0}
-        if resume and ckpt.latest_step() is not None:
-            state, before = ckpt.restore(state)
-            echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
-        log.truncate(name, int(state.step))
-        try:
-            state, clock = _train_one(
-                name, model, task, train_config, state, ckpt, log, eval_windows=eval_windows,
-                before=before, tokens_per_step=tokens_per_step, until=until, progress=progress,
-                mesh=mesh,
-            )  # fmt: skip
-        except (TrainingDiverged, TrainingInterrupted) as e:
-            e.run = name  # for the command line's message
-            raise
-        finally:
-            ckpt.close()
+        state, clock = _train_run(
+            name, model, task, train_config, out, log, eval_windows=eval_windows, resume=resume,
+            until=until, progress=progress, echo=echo, mesh=mesh,
+        )  # fmt: skip
         steps = int(state.step)
         if steps < train_config.steps:  # stopped early by `until`: measure when finished
             echo(f"{name}: stopped at step {steps} of {train_config.steps}; resume to finish")
@@ -351,24 +377,59 @@ def run_experiment(
         # Measured on one device, from a whole copy of the parameters (gathering it is a
         # collective: every process takes part), by the process that writes the results.
         variables = {"params": parallel.to_host(state.params)}
-        if not primary:
-            continue
-        measured = evaluate(model, variables, task, eval_windows, seed=train_config.seed)
-        samples[name] = measured.pop("generated")[0]
-        steady = clock["steady_steps"] > 0
-        results[name] = {
-            "train_loss": recent_train_loss(log.read(), name, steps),
-            **measured,
-            "steps": steps,
-            "seconds": clock["seconds"],
-            "tokens_per_second": tokens_per_step
-            * (clock["steady_steps"] if steady else steps)
-            / (clock["steady_seconds"] if steady else clock["seconds"]),
-        }
-        attention[name] = attention_weights(model, variables, eval_windows[0, :-1])
-    if len(results) < len(runs) or not primary:
+        if primary:
+            measured[name] = _measure_run(
+                name, model, variables, task, eval_windows, log=log, clock=clock, steps=steps,
+                seed=train_config.seed, echo=echo,
+            )  # fmt: skip
+    if len(measured) < len(runs) or not primary:
         return None
+    return _write_results(out, task, record, mesh, measured, eval_windows, log, echo)
 
+
+class _Measured(NamedTuple):
+    """What :func:`run_experiment` keeps of a finished run."""
+
+    result: dict  # the run's entry of summary.json
+    sample: np.ndarray  # its fixed-window continuation of held-out window 0, [M]
+    attention: list[np.ndarray]  # its attention weights on that window, per layer [H, T, T]
+
+
+def _measure_run(
+    name, model, variables, task, eval_windows, *, log, clock, steps, seed, echo
+) -> _Measured:
+    """Measures a trained run (:func:`evaluate`, attention weights), saying what and how long."""
+    echo(
+        f"{name}: measuring: held-out loss, future leak, generation (fixed window, KV cache), "
+        "attention weights..."
+    )
+    watch = Stopwatch()
+    measured = evaluate(model, variables, task, eval_windows, seed=seed)
+    watch.laps.update(measured.pop("timings"))
+    with watch.lap("attention weights"):
+        attention = attention_weights(model, variables, eval_windows[0, :-1])
+    echo(f"{name}: measured in {watch.total():.1f} s ({watch})")
+    generated = measured.pop("generated")
+    # Training throughput: each session's first step (it compiles) and the held-out
+    # evaluations are left out, unless no other step was timed.
+    steady = clock["steady_steps"] > 0
+    result = {
+        "train_loss": recent_train_loss(log.read(), name, steps),
+        **measured,
+        "steps": steps,
+        "seconds": clock["seconds"],
+        "tokens_per_second": _tokens_per_step(task)
+        * (clock["steady_steps"] if steady else steps)
+        / (clock["steady_seconds"] if steady else clock["seconds"]),
+    }
+    return _Measured(result, generated[0], attention)
+
+
+def _write_results(out, task, record, mesh, measured, eval_windows, log, echo) -> dict:
+    """Writes summary.json, loss.png and attention.png; returns the summary."""
+    echo("writing summary.json, plotting loss.png and attention.png...")
+    watch = Stopwatch()
+    window = eval_windows[0]
     summary = {
         "task": task.name,
         "entropy_floor": task.entropy_floor,
@@ -377,72 +438,170 @@ def run_experiment(
         "mesh": parallel.mesh_shape(mesh),
         "processes": jax.process_count(),
         "task_config": record["task"],
-        "model": model_record,
+        "model": record["model"],
         "train": record["train"],
-        "runs": results,
+        "runs": {name: m.result for name, m in measured.items()},
         "sample": {
-            "prompt": " ".join(_labels(task, eval_windows[0, : task.prompt_len])),
-            "reference": " ".join(_labels(task, eval_windows[0, task.prompt_len :])),
-            **{name: " ".join(_labels(task, s)) for name, s in samples.items()},
+            "prompt": " ".join(_labels(task, window[: task.prompt_len])),
+            "reference": " ".join(_labels(task, window[task.prompt_len :])),
+            **{name: " ".join(_labels(task, m.sample)) for name, m in measured.items()},
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    title = f"{task.name} task: one model, data and seed; {' vs '.join(runs)} attention"
+    runs = " vs ".join(measured)
+    title = f"{task.name} task: one model, data and seed; {runs} attention"
     plot_losses(log.read(), task.entropy_floor, out / "loss.png", title=title)
-    plot_attention(attention, _labels(task, eval_windows[0, :-1]), out / "attention.png")
+    plot_attention(
+        {name: m.attention for name, m in measured.items()},
+        _labels(task, window[:-1]),
+        out / "attention.png",
+        title=f"{task.name} task: attention weights of the trained models ({runs}) "
+        "on held-out window 0",
+    )
+    echo(f"written in {watch.total():.1f} s")
     return summary
 
 
+def _tokens_per_step(task) -> int:
+    """Predicted tokens per training step: every position of every window."""
+    return task.batch_size * task.context_length
+
+
+def _train_run(
+    name, model, task, cfg, out, log, *, eval_windows, resume, until, progress, echo, mesh
+) -> tuple:
+    """One run: its state (fresh, or its latest checkpoint), compiled, then trained.
+
+    Says before it starts compiling, and how long the compiling took once the first
+    update is done (it includes compiling the step); training throughput leaves it out.
+
+    Returns:
+      ``(state, clock)``: as :func:`_train_one`.
+    """
+    echo(f"{name}: compiling: initial state, held-out loss, training step...")
+    watch = Stopwatch()
+    ckpt = Checkpointer(out / "checkpoints" / name)
+    try:
+        with watch.lap("initial state"):
+            state = init_state(model.config, cfg, mesh)
+            before = {"seconds": 0.0, "steady_seconds": 0.0, "steady_steps": 0}
+            if resume and ckpt.latest_step() is not None:
+                state, before = ckpt.restore(state)
+                echo(f"{name}: resuming from the checkpoint at step {int(state.step)}")
+        log.truncate(name, int(state.step))
+        eval_on_mesh = parallel.replicate(eval_windows, mesh)  # next to the sharded params
+        if int(state.step) < (cfg.steps if until is None else until):
+            with watch.lap("held-out loss"):  # compiled now, not at the first evaluation
+                mean_loss(model, {"params": state.params}, eval_on_mesh).block_until_ready()
+        try:
+            return _train_one(
+                name, model, task, cfg, state, ckpt, log, eval_on_mesh=eval_on_mesh,
+                before=before, until=until, progress=progress, mesh=mesh,
+                on_compiled=lambda: echo(
+                    f"{name}: compiled in {watch.total():.1f} s ({watch}); left out of tok/s"
+                ),
+                watch=watch,
+            )  # fmt: skip
+        except (TrainingDiverged, TrainingInterrupted) as e:
+            e.run = name  # for the command line's message
+            raise
+    finally:
+        ckpt.close()
+
+
+class _Progress:
+    """A run's tqdm bar, shown from the end of its first update (which compiles the step).
+
+    Its ``tok_s`` is the training throughput since the previous refresh, leaving out the
+    time spent in held-out evaluations and checkpoint writes (:meth:`pause`).
+    """
+
+    def __init__(self, name: str, total: int, tokens_per_step: int, enabled: bool):
+        self.name, self.total, self.tokens_per_step = name, total, tokens_per_step
+        self.enabled = enabled
+        self.bar = None
+
+    def start(self, done: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=self.total, initial=done, desc=f"{self.name:>6}", disable=not self.enabled,
+            leave=True,
+        )  # fmt: skip
+        self.last_time, self.last_step, self.paused = time.perf_counter(), done, 0.0
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def update(self, records: Sequence[dict]) -> None:
+        now, done = time.perf_counter(), records[-1]["step"]
+        seconds = max(now - self.last_time - self.paused, 1e-9)
+        rate = (done - self.last_step) * self.tokens_per_step / seconds
+        self.last_time, self.last_step, self.paused = now, done, 0.0
+        self.bar.update(done - self.bar.n)
+        postfix = {"loss": f"{records[-1]['loss']:.4f}", "tok_s": f"{rate:,.0f}"}
+        self.bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _train_one(
-    name, model, task, cfg, state, ckpt, log, *, eval_windows, before, tokens_per_step, until,
-    progress, mesh,
+    name, model, task, cfg, state, ckpt, log, *, eval_on_mesh, before, until, progress, mesh,
+    on_compiled, watch,
 ) -> tuple:  # fmt: skip
     """Trains one run from ``state`` with a progress bar, logging and checkpoints.
 
     Args:
+      eval_on_mesh: the held-out windows, replicated on ``mesh``.
       before: the clock of earlier sessions (from the checkpoint): ``seconds``, and
-        ``steady_seconds`` / ``steady_steps`` without each session's first step.
+        ``steady_seconds`` / ``steady_steps`` without each session's first step and
+        held-out evaluations.
+      on_compiled: called once the first update is done, after its time is added to
+        ``watch`` (a :class:`Stopwatch`).
 
     Returns:
       ``(state, clock)``: the final state and the clock of all sessions so far.
     """
-    from tqdm.auto import tqdm
-
     start = int(state.step)
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"{name:>6}", disable=not progress, leave=True)
-    last = [time.perf_counter(), start]
+    bar = _Progress(name, cfg.steps, _tokens_per_step(task), progress)
+
+    def on_first_step(seconds):
+        watch.laps[f"training step with update {start + 1}"] = seconds
+        on_compiled()
+        bar.start(start + 1)
 
     def on_log(records):
         log.append(name, records)
-        now, done = time.perf_counter(), records[-1]["step"]
-        rate = (done - last[1]) * tokens_per_step / max(now - last[0], 1e-9)
-        last[:] = [now, done]
-        bar.update(len(records))
-        bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-
-    eval_on_mesh = parallel.replicate(eval_windows, mesh)  # next to the sharded params
+        bar.update(records)
 
     def on_eval(step, state):
+        t = time.perf_counter()
         loss = mean_loss(model, {"params": state.params}, eval_on_mesh)
         log.append(name, [{"step": step, "eval_loss": float(loss)}])
+        bar.pause(time.perf_counter() - t)
 
     def clock(timing):
-        # Tokens/s leave out each session's first step: it compiles the step function.
+        # Tokens/s leave out each session's first step (it compiles the step function)
+        # and the held-out evaluations.
         steady = timing["steps"] > 1
+        steady_seconds = timing["seconds"] - timing["first_step_seconds"] - timing["eval_seconds"]
         return {
             "seconds": before["seconds"] + timing["seconds"],
-            "steady_seconds": before["steady_seconds"]
-            + (timing["seconds"] - timing["first_step_seconds"] if steady else 0.0),
+            "steady_seconds": before["steady_seconds"] + (steady_seconds if steady else 0.0),
             "steady_steps": before["steady_steps"] + (timing["steps"] - 1 if steady else 0),
         }
 
     def on_checkpoint(state, timing):
+        t = time.perf_counter()
         ckpt.save(state, clock(timing))
+        bar.pause(time.perf_counter() - t)
 
     try:
         state, timing = train(
             model, task, cfg, state, until=until, on_log=on_log, on_eval=on_eval,
-            on_checkpoint=on_checkpoint, mesh=mesh,
+            on_checkpoint=on_checkpoint, on_first_step=on_first_step, mesh=mesh,
         )  # fmt: skip
     finally:
         bar.close()

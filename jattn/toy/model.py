@@ -181,7 +181,8 @@ class TinyGPT(nn.Module):
                 f"TinyGPT got {t} tokens but context_length is {cfg.context_length}; pass at "
                 f"most the last {cfg.context_length} tokens."
             )
-        pos = jnp.arange(t)  # [T]; [B, T] when decoding
+        # [1, T] (as many dims as the tokens: no implicit rank promotion); [B, T] when decoding
+        pos = jnp.arange(t).reshape((1,) * (tokens_BxT.ndim - 1) + (t,))
         cache = self.variables.get("cache")
         if self.decode and cache:  # (init only creates the caches)
             # Row b's chunk starts where its tokens so far end: the first block's cache length.
@@ -190,9 +191,7 @@ class TinyGPT(nn.Module):
             pos = jnp.minimum(filled_B[..., None] + pos, cfg.context_length - 1)
         # [B, T, D]: token embedding plus a learned embedding of the position.
         x_BxTxD = nn.Embed(cfg.vocab_size, cfg.d_model, name="tok_emb")(tokens_BxT)
-        # [T, D] (or [B, T, D] when decoding) position embeddings, broadcast over the batch
-        pos_TxD = nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(pos)
-        x_BxTxD = x_BxTxD + pos_TxD.reshape((1,) * (x_BxTxD.ndim - pos_TxD.ndim) + pos_TxD.shape)
+        x_BxTxD = x_BxTxD + nn.Embed(cfg.context_length, cfg.d_model, name="pos_emb")(pos)
         x_BxTxD = nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
         for i in range(cfg.num_layers):
             x_BxTxD = Block(cfg, decode=self.decode, name=f"blocks_{i}")(

@@ -12,23 +12,41 @@ import numpy as np
 
 from jattn import viz
 
-__all__ = ["plot_attention", "plot_losses"]
+__all__ = ["SMOOTHING_WINDOW", "plot_attention", "plot_losses", "trailing_geometric_mean"]
 
 _COLORS = {"causal": "tab:blue", "leaky": "tab:red"}
 
 
-def _ema(values: np.ndarray, decay: float = 0.9) -> np.ndarray:
-    """Exponential moving average with bias correction (smooths the per-step losses)."""
-    out = np.empty_like(values)
-    acc = 0.0
-    for i, v in enumerate(values):
-        acc = decay * acc + (1 - decay) * v
-        out[i] = acc / (1 - decay ** (i + 1))
-    return out
+SMOOTHING_WINDOW = 20
+"""Steps in the trailing geometric mean that smooths the per-step training losses of ``loss.png``."""
 
 
-def plot_losses(records: Sequence[Mapping], floor: float | None, path, *, title: str = "") -> Path:
+def trailing_geometric_mean(values, window: int = SMOOTHING_WINDOW) -> np.ndarray:
+    """Entry ``i``: geometric mean of ``values[max(0, i - window + 1) : i + 1]`` (> 0).
+
+    The mean of the logarithms, as the log-scale plot shows them: one spike moves it
+    far less than it moves the arithmetic mean. Windows are shorter at the start.
+    """
+    logs = np.log(np.asarray(values, dtype=np.float64))
+    sums = np.concatenate([[0.0], np.cumsum(logs)])
+    ends = np.arange(1, len(logs) + 1)
+    starts = np.maximum(ends - window, 0)
+    return np.exp((sums[ends] - sums[starts]) / (ends - starts))
+
+
+def plot_losses(
+    records: Sequence[Mapping],
+    floor: float | None,
+    path,
+    *,
+    title: str = "",
+    window: int = SMOOTHING_WINDOW,
+) -> Path:
     """Training and held-out loss of every run against the entropy floor (log scale).
+
+    Each run's per-step training loss is drawn faint, and solid its trailing geometric
+    mean over ``window`` steps (:func:`trailing_geometric_mean`; the legend says so);
+    held-out losses are dots.
 
     Args:
       records: ``metrics.jsonl`` entries: ``{'run', 'step', 'loss', ...}`` per training
@@ -36,11 +54,12 @@ def plot_losses(records: Sequence[Mapping], floor: float | None, path, *, title:
       floor: the task's entropy floor in nats per token, or None (not drawn).
       path: where to write the PNG.
       title: figure title.
+      window: steps in the trailing geometric mean of the smoothed training curves.
 
     Returns:
       The path written.
     """
-    fig, ax = viz.new_figure(size=(7.5, 4.6))
+    fig, ax = viz.new_figure(size=(10.0, 4.6))
     runs = list(dict.fromkeys(r["run"] for r in records))
     for i, run in enumerate(runs):
         color = _COLORS.get(run, f"C{i + 2}")
@@ -50,11 +69,14 @@ def plot_losses(records: Sequence[Mapping], floor: float | None, path, *, title:
         ]
         if train:
             steps, loss = (np.asarray(v, dtype=np.float64) for v in zip(*train, strict=True))
-            ax.plot(steps, loss, color=color, alpha=0.2, linewidth=0.8)
-            ax.plot(steps, _ema(loss), color=color, label=f"{run}: train (dropout on)")
+            ax.plot(steps, loss, color=color, alpha=0.2, linewidth=0.8,
+                    label=f"{run}: train, each step (dropout on)")  # fmt: skip
+            ax.plot(steps, trailing_geometric_mean(loss, window), color=color,
+                    label=f"{run}: train, smoothed: geometric mean of the last {window} steps")  # fmt: skip
         if evals:
             steps, loss = zip(*evals, strict=True)
-            ax.plot(steps, loss, "o", color=color, markersize=3.5, label=f"{run}: held-out")
+            ax.plot(steps, loss, "o", color=color, markersize=3.5,
+                    label=f"{run}: held-out (dropout off)")  # fmt: skip
     if floor is not None:
         ax.axhline(floor, color="black", linestyle="--", label=f"entropy floor {floor:.3f} nats")
     ax.set_yscale("log")
@@ -62,7 +84,7 @@ def plot_losses(records: Sequence[Mapping], floor: float | None, path, *, title:
     ax.set_ylabel("next-token loss (nats per token)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
     return viz.save_figure(fig, path)
 
 
@@ -72,8 +94,11 @@ def plot_attention(
     path,
     *,
     causal_runs: Sequence[str] = ("causal",),
+    title: str = "Attention weights on one held-out window",
 ) -> Path:
     """Attention weights of one held-out window: a row of heads per (run, layer).
+
+    Every panel shares one colour scale, ``[0, 1]``, drawn as one labelled colour bar.
 
     Args:
       weights: ``{run: [layer weights [num_heads, T, T], ...]}``.
@@ -81,6 +106,7 @@ def plot_attention(
       path: where to write the PNG.
       causal_runs: runs whose upper triangle is the causal mask: drawn blank, so the
         masked positions are visible at a glance (their weights are exactly zero).
+      title: the figure's title (a line saying how to read the panels is added).
 
     Returns:
       The path written.
@@ -105,10 +131,25 @@ def plot_attention(
                 title=f"{run} · layer {layer} · head {head}",
                 annotate=False,
                 vmax=1.0,
-                colorbar=head == num_heads - 1,
+                colorbar=False,  # one shared bar below: every panel has the scale [0, 1]
             )
             ax.tick_params(labelsize=5)
             ax.xaxis.label.set_size(7)
             ax.yaxis.label.set_size(7)
             ax.title.set_size(8)
+            # Every panel shows the same tokens: label the outer ones only (readable, and
+            # laying out thousands of tick labels would take seconds).
+            if head > 0:
+                ax.tick_params(labelleft=False)
+                ax.set_ylabel("")
+            if row < len(panels) - 1:
+                ax.tick_params(labelbottom=False)
+                ax.set_xlabel("")
+    bar = fig.colorbar(axes[0, 0].images[-1], ax=axes.ravel().tolist(), shrink=0.6, aspect=40)
+    bar.set_label("attention weight (each query row sums to 1)", size=9)
+    masked = " and ".join(r for r in weights if r in causal_runs)
+    how = "rows: queries, columns: keys" + (
+        f"; blank in the {masked} panels: hidden by the causal mask" if masked else ""
+    )
+    fig.suptitle(f"{title}\n{how}", size=11)
     return viz.save_figure(fig, path)

@@ -429,6 +429,7 @@ def train(
     on_log: Callable[[list[dict]], None] | None = None,
     on_eval: Callable[[int, TrainState], None] | None = None,
     on_checkpoint: Callable[[TrainState, dict], None] | None = None,
+    on_first_step: Callable[[float], None] | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[TrainState, dict]:
     """Runs the updates ``state.step .. until - 1`` (default: to ``cfg.steps``).
@@ -447,6 +448,8 @@ def train(
       on_checkpoint: called as ``on_checkpoint(state, timing)`` every
         ``cfg.checkpoint_every`` steps, at ``until`` and when Ctrl-C stops the run, with
         the timing so far. Never called with a state whose step had a non-finite metric.
+      on_first_step: called with the seconds of this call's first update, once it is
+        done (it includes compiling the step, unless this process compiled it before).
       mesh: the device mesh of ``state`` (default: the 1x1 mesh of the default device);
         each batch is split over its ``data`` axis (:func:`jattn.toy.parallel.shard_batch`).
 
@@ -459,8 +462,9 @@ def train(
 
     Returns:
       ``(state, timing)``: the final state, and ``timing`` with ``seconds`` (wall time of
-      the loop, evaluations included, checkpoint writes not), ``first_step_seconds`` (the first update, which
-      includes compiling the step) and ``steps`` (updates done by this call).
+      the loop, evaluations included, checkpoint writes not), ``first_step_seconds`` (the
+      first update, which includes compiling the step), ``eval_seconds`` (spent in
+      ``on_eval``) and ``steps`` (updates done by this call).
     """
     until = cfg.steps if until is None else until
     mesh = parallel.default_mesh() if mesh is None else mesh
@@ -471,12 +475,14 @@ def train(
     t0 = time.perf_counter()
     first_step_seconds = 0.0
     saving = 0.0  # seconds spent writing checkpoints: not training time
+    evaluating = 0.0  # seconds spent in on_eval
     nan_step = _debug_nan_step()
 
     def timing(done: int) -> dict:
         return {
             "seconds": time.perf_counter() - t0 - saving,
             "first_step_seconds": first_step_seconds,
+            "eval_seconds": evaluating,
             "steps": done - start,
         }
 
@@ -505,6 +511,8 @@ def train(
             if s == start:
                 jax.block_until_ready(metrics)
                 first_step_seconds = time.perf_counter() - t0
+                if on_first_step is not None:
+                    on_first_step(first_step_seconds)
             pending.append((done, metrics))
             stopping = bool(stop_requested)
             due_eval = on_eval is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
@@ -515,7 +523,9 @@ def train(
             if done % cfg.log_every == 0 or done == until or due_eval or due_checkpoint:
                 flush()
             if due_eval:
+                t_eval = time.perf_counter()
                 on_eval(done, state)
+                evaluating += time.perf_counter() - t_eval
             if due_checkpoint:
                 t_save = time.perf_counter()
                 on_checkpoint(state, timing(done))
