@@ -1,7 +1,7 @@
 """Weight converters: the book's PyTorch state dicts -> Linen, Linen <-> NNX, wrapper <-> split.
 
 The parameter trees of :mod:`jattn.linen` and :mod:`jattn.nnx` use the book's names, so
-each PyTorch tensor maps to one leaf:
+each PyTorch tensor of the chapter's classes maps to one leaf:
 
 * ``W_query`` (``SelfAttention_v1``'s raw matrix) -> ``W_query``, as is;
 * ``W_query.weight`` -> ``W_query/kernel``, transposed; ``W_query.bias`` -> ``W_query/bias``;
@@ -12,14 +12,56 @@ each PyTorch tensor maps to one leaf:
 (``W_key`` and ``W_value`` as ``W_query``.) A PyTorch ``nn.Linear.weight`` is
 ``[out_features, in_features]``; a Flax kernel is ``[in_features, out_features]``.
 
+The classes of the book's bonus notebook
+``ch03/02_bonus_efficient-multihead-attention/mha-implementations.ipynb`` load into a
+:class:`jattn.linen.MultiHeadAttention` (``W_query``, ``W_key``, ``W_value``, ``out_proj``,
+each ``{kernel, bias}``; no Q/K/V bias when the class had ``qkv_bias=False``):
+
+* ``Ch03_MHA``: the chapter's ``MultiHeadAttention`` keys, mapped as above.
+* ``Ch03_MHA_Wrapper`` (``heads.{i}.W_query.weight`` ..., ``out_proj.weight``,
+  ``out_proj.bias``): head ``i``'s ``[d_out, d_in]`` weights become columns
+  ``i*d_out ... (i+1)*d_out - 1`` of the fused kernels (transposed), ``out_proj`` as is.
+  Load into ``MultiHeadAttention(num_heads * d_out, context_length, dropout, num_heads)``.
+* ``MultiHeadAttentionCombinedQKV``, ``MHAPyTorchScaledDotProduct``,
+  ``MHAPyTorchSDPAWithoutFlash``, ``MHAPyTorchFlexAttention`` (``qkv.weight``
+  ``[3 * d_out, d_in]``, ``qkv.bias``, ``proj.weight``, ``proj.bias``): their forward views
+  ``qkv`` as ``(b, T, 3, num_heads, head_dim)`` and unbinds queries, keys, values along
+  the ``3``, so rows ``0 ... d_out - 1`` are ``W_query``, the next ``d_out`` ``W_key``, the
+  last ``d_out`` ``W_value`` (each transposed; ``qkv.bias`` split alike);
+  ``proj`` -> ``out_proj``.
+* ``MHAEinsum`` (raw ``W_query``, ``W_key``, ``W_value`` of shape ``[d_in, d_out]``, used as
+  ``einsum('bnd,do->bno', x, W)``; ``bias_q``, ``bias_k``, ``bias_v``; ``out_proj.*``):
+  ``W_query`` -> ``W_query/kernel`` as is (not transposed), ``bias_q`` -> ``W_query/bias``
+  (``_k``, ``_v`` alike), ``out_proj`` as the chapter's.
+* ``MHAPyTorchClass`` (``multihead_attn.in_proj_weight`` ``[3 * d_out, d_out]``,
+  ``multihead_attn.out_proj.weight``, ``proj.weight``, ``proj.bias``): ``in_proj_weight``
+  splits into query, key, value thirds as ``qkv.weight`` (``nn.MultiheadAttention`` does
+  the same); the class has TWO output projections, ``nn.MultiheadAttention``'s
+  ``out_proj`` then its own ``proj``, and jattn's module one, so they are folded exactly
+  into ``out_proj``: ``W = W_proj @ W_out``, ``b = W_proj @ b_out + b_proj`` (``b_out`` is 0
+  when ``nn.MultiheadAttention`` has no bias), computed in float64. The class reads inputs of
+  width ``d_out`` (``nn.MultiheadAttention(embed_dim=d_out)``), so ``d_in == d_out``.
+  With ``qkv_bias=True`` it also sets ``add_bias_kv=True``: ``multihead_attn.bias_k`` and
+  ``bias_v`` are an extra key/value token that every query attends to, which jattn's
+  module does not have, so such a state dict raises rather than load into something that
+  computes otherwise (``in_proj_bias`` and ``out_proj.bias`` without them load).
+
+Every layout is told apart by its keys, and no two layouts with the same keys need
+different mappings, so no argument selects one. Note on ``MHAPyTorchSDPAWithoutFlash``: the
+notebook passes its ``mask`` buffer ``triu(ones, diagonal=1).bool()`` to
+``scaled_dot_product_attention``, where True means *attend*, so the class as written attends
+to strictly later tokens (rasbt/LLMs-from-scratch issue #1061); its weights are the same as
+the other ``qkv`` classes', and jattn's causal module computes what the section intends.
+
 Nothing here imports torch: pass ``model.state_dict()`` (tensors go through ``.numpy()``)
 or any mapping of the same keys to numpy arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -185,7 +227,8 @@ def _expected_params(module, d_in: int) -> dict:
     kwargs = {"deterministic": True} if hasattr(module, "dropout") else {}
     x = jax.ShapeDtypeStruct((1, d_in), jnp.float32)
     variables = jax.eval_shape(lambda x: module.init(jax.random.key(0), x, **kwargs), x)
-    return variables["params"]  # a tree of jax.ShapeDtypeStruct
+    # A tree of jax.ShapeDtypeStruct; unbox the nn.Partitioned boxes model_axis= adds.
+    return nn.unbox(variables["params"])
 
 
 def _shape(leaf) -> tuple[int, ...]:
@@ -251,15 +294,477 @@ def _match_tree(got: Mapping, expected: Mapping, describe, what: str) -> None:
             )
 
 
+# ----------------------------------------------------------------------------------------
+# The bonus notebook's layouts (ch03/02_bonus_efficient-multihead-attention)
+# ----------------------------------------------------------------------------------------
+
+
+def _require(arrays: Mapping[str, np.ndarray], key: str) -> np.ndarray:
+    if key not in arrays:
+        raise ValueError(f"state_dict is missing key {key}.")
+    return arrays[key]
+
+
+def _dense(arrays, weight_key: str, bias_key: str | None, shape: tuple, what: str) -> dict:
+    """One ``nn.Linear``'s Linen params; ``bias_key=None``: a Linear without bias."""
+    weight = _require(arrays, weight_key)
+    if weight.shape != shape:
+        raise ValueError(
+            f"state_dict[{weight_key}] must have shape {shape} ({what}), got {weight.shape}."
+        )
+    layer = {"kernel": np.ascontiguousarray(weight.T)}
+    if bias_key is not None:
+        bias = _require(arrays, bias_key)
+        if bias.shape != (shape[0],):
+            raise ValueError(
+                f"state_dict[{bias_key}] must have shape ({shape[0]},) to match {weight_key} "
+                f"{shape}, got {bias.shape}."
+            )
+        layer["bias"] = bias
+    return layer
+
+
+def _split_thirds(arrays, weight_key: str, bias_key: str, what: str) -> tuple[dict, int, int]:
+    """A stacked ``[3 * d_out, d_in]`` Q/K/V weight (and bias) -> W_query, W_key, W_value.
+
+    The notebook's forward views the projection as ``(b, T, 3, num_heads, head_dim)`` and
+    unbinds queries, keys, values along the ``3``; ``nn.MultiheadAttention`` chunks its
+    ``in_proj`` the same way. So the thirds are whole projections, in that order, and the
+    head split inside each third is the chapter's (``view(b, T, num_heads, head_dim)``).
+
+    Returns:
+      ``({'W_query': {kernel, bias?}, ...}, d_out, d_in)``.
+    """
+    weight = _require(arrays, weight_key)
+    if weight.ndim != 2:
+        raise ValueError(
+            f"state_dict[{weight_key}] must be 2-D [3 * d_out, d_in] ({what}), got shape "
+            f"{weight.shape}."
+        )
+    rows, d_in = weight.shape
+    if rows % 3:
+        raise ValueError(
+            f"state_dict[{weight_key}] has {rows} rows, which is not divisible by 3: {what} "
+            "stacks the query, key and value rows, d_out each. Pass the tensor unchanged "
+            "from the module's state_dict()."
+        )
+    d_out = rows // 3
+    bias = arrays.get(bias_key)
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(
+            f"state_dict[{bias_key}] must have shape ({rows},) to match {weight_key} "
+            f"{weight.shape}, got {bias.shape}."
+        )
+    params: dict[str, Any] = {}
+    for i, name in enumerate(_PROJECTIONS):  # the unbind order: queries, keys, values
+        third = slice(i * d_out, (i + 1) * d_out)
+        params[name] = {"kernel": np.ascontiguousarray(weight[third].T)}  # [d_in, d_out]
+        if bias is not None:
+            params[name]["bias"] = bias[third]
+    return params, d_out, d_in
+
+
+def _compose(first: Mapping, second: Mapping) -> dict:
+    """One Dense layer equal to ``second(first(x))``, in float64, cast back once.
+
+    ``(x @ k1 + b1) @ k2 + b2 = x @ (k1 @ k2) + (b1 @ k2 + b2)``; in PyTorch's terms
+    ``W = W2 @ W1`` and ``b = W2 @ b1 + b2``. ``first`` may have no bias (zero).
+    """
+    dtype = np.result_type(first["kernel"], second["kernel"], second["bias"])
+    k1, k2 = (np.asarray(layer["kernel"], np.float64) for layer in (first, second))
+    b1 = np.asarray(first.get("bias", np.zeros(k1.shape[1])), np.float64)
+    return {
+        "kernel": (k1 @ k2).astype(dtype),  # [d_out, d_out]
+        "bias": (b1 @ k2 + np.asarray(second["bias"], np.float64)).astype(dtype),
+    }
+
+
+def _load_combined_qkv(arrays: dict[str, np.ndarray]) -> dict:
+    """MultiHeadAttentionCombinedQKV, MHAPyTorchScaledDotProduct, ...SDPAWithoutFlash, ...Flex."""
+    what = "qkv = nn.Linear(d_in, 3 * d_out)"
+    params, d_out, _ = _split_thirds(arrays, "qkv.weight", "qkv.bias", what)
+    params["out_proj"] = _dense(
+        arrays,
+        "proj.weight",
+        "proj.bias",
+        (d_out, d_out),
+        f"proj = nn.Linear(d_out, d_out), d_out = {d_out} = rows of qkv.weight / 3",
+    )
+    return params
+
+
+def _load_einsum(arrays: dict[str, np.ndarray]) -> dict:
+    """MHAEinsum: raw ``[d_in, d_out]`` matrices (``x @ W``), ``bias_q/k/v``, ``out_proj``."""
+    bias_names = ("bias_q", "bias_k", "bias_v")
+    shape = None
+    params: dict[str, Any] = {}
+    for name in _PROJECTIONS:
+        weight = _require(arrays, name)
+        shape = weight.shape if shape is None else shape
+        if weight.ndim != 2 or weight.shape != shape:
+            raise ValueError(
+                f"state_dict[{name}] must be a 2-D [d_in, d_out] matrix shaped like W_query "
+                f"{shape} (MHAEinsum's nn.Parameter, used as x @ {name}), got {weight.shape}."
+            )
+        params[name] = {"kernel": weight}  # already [d_in, d_out]: no transpose
+    d_out = shape[1]
+    present = [b for b in bias_names if b in arrays]
+    if present and len(present) != len(bias_names):
+        absent = next(b for b in bias_names if b not in present)
+        raise ValueError(
+            f"state_dict is missing key {absent}: MHAEinsum(qkv_bias=True) has bias_q, bias_k "
+            "and bias_v, qkv_bias=False none of them."
+        )
+    if present:  # all three (checked above)
+        for name, bias_name in zip(_PROJECTIONS, bias_names, strict=True):
+            if arrays[bias_name].shape != (d_out,):
+                raise ValueError(
+                    f"state_dict[{bias_name}] must have shape ({d_out},) to match {name} {shape}, "
+                    f"got {arrays[bias_name].shape}."
+                )
+            params[name]["bias"] = arrays[bias_name]
+    params["out_proj"] = _dense(
+        arrays,
+        "out_proj.weight",
+        "out_proj.bias",
+        (d_out, d_out),
+        f"out_proj = nn.Linear(d_out, d_out), d_out = {d_out} = columns of W_query",
+    )
+    return params
+
+
+def _load_torch_mha(arrays: dict[str, np.ndarray]) -> dict:
+    """MHAPyTorchClass: ``nn.MultiheadAttention``'s in/out projections, then ``proj``."""
+    prefix = "multihead_attn."
+    for key in (f"{prefix}bias_k", f"{prefix}bias_v"):
+        if key in arrays:
+            raise ValueError(
+                f"state_dict has key {key!r}: MHAPyTorchClass(qkv_bias=True) builds "
+                "nn.MultiheadAttention(add_bias_kv=True), which appends a learned key/value "
+                "token that every query attends to. jattn's MultiHeadAttention has no such "
+                "token, so these weights cannot be loaded exactly; train with qkv_bias=False "
+                "(or nn.MultiheadAttention(bias=True, add_bias_kv=False), which loads)."
+            )
+    w_key, b_key = f"{prefix}in_proj_weight", f"{prefix}in_proj_bias"
+    out_bias = f"{prefix}out_proj.bias"
+    params, d, d_in = _split_thirds(arrays, w_key, b_key, "nn.MultiheadAttention's in_proj_weight")
+    if d_in != d:
+        raise ValueError(
+            f"state_dict[{w_key}] must have shape (3 * embed_dim, embed_dim): "
+            f"nn.MultiheadAttention projects inputs of width embed_dim, got {arrays[w_key].shape}."
+        )
+    if (b_key in arrays) != (out_bias in arrays):
+        absent, present = (out_bias, b_key) if b_key in arrays else (b_key, out_bias)
+        raise ValueError(
+            f"state_dict is missing key {absent}: nn.MultiheadAttention(bias=True) has both "
+            f"in_proj_bias and out_proj.bias, bias=False neither ({present} is given)."
+        )
+    inner = _dense(
+        arrays,
+        f"{prefix}out_proj.weight",
+        out_bias if out_bias in arrays else None,
+        (d, d),
+        "nn.MultiheadAttention's out_proj, embed_dim x embed_dim",
+    )
+    outer = _dense(arrays, "proj.weight", "proj.bias", (d, d), "proj = nn.Linear(d_out, d_out)")
+    # Two output projections in a row; jattn's module has one: fold them exactly.
+    params["out_proj"] = _compose(inner, outer)
+    return params
+
+
+def _load_ch03_wrapper(arrays: dict[str, np.ndarray]) -> dict:
+    """Ch03_MHA_Wrapper: CausalAttention heads side by side, then ``out_proj``."""
+    linear: dict[int, dict[str, np.ndarray]] = {}
+    for key, value in arrays.items():
+        if m := _LINEAR_KEY.match(key):
+            head, name, kind = m.groups()
+            linear.setdefault(int(head), {})[f"{name}.{kind}"] = value
+    heads = _heads_params(linear)  # not empty: _notebook_layout saw a heads.{i}.* key
+    names = list(heads)
+    # Head i's [d_in, d_head] kernel -> columns i*d_head ... of the fused [d_in, H*d_head].
+    params: dict[str, Any] = {
+        proj: {
+            leaf: np.concatenate([heads[n][proj][leaf] for n in names], axis=-1)
+            for leaf in heads[names[0]][proj]
+        }
+        for proj in _PROJECTIONS
+    }
+    width = params["W_query"]["kernel"].shape[1]
+    params["out_proj"] = _dense(
+        arrays,
+        "out_proj.weight",
+        "out_proj.bias",
+        (width, width),
+        f"out_proj = nn.Linear(d_out * num_heads, d_out * num_heads) for {len(names)} heads "
+        f"of width {width // len(names)}",
+    )
+    return params
+
+
+def _num_heads(arrays: Mapping[str, np.ndarray]) -> int:
+    return len({m.group(1) for k in arrays if (m := re.match(r"^heads\.(\d+)\.", k))})
+
+
+def _widths(shapes: Mapping[tuple[str, ...], tuple[int, ...]], classes: str):
+    """``(d_in, d_out, qkv_bias)`` of a MultiHeadAttention's param shapes."""
+    d_in, d_out = shapes[("W_query", "kernel")]
+    d_kv = shapes[("W_key", "kernel")][1]
+    if d_kv != d_out:
+        raise ValueError(
+            f"The module has grouped-query attention (W_key {d_kv} wide, W_query {d_out}), "
+            f"but {classes} have as many key/value heads as query heads: build the module "
+            "without num_kv_heads."
+        )
+    return d_in, d_out, ("W_query", "bias") in shapes
+
+
+def _combined_qkv_keys(d_in: int, d: int, bias: bool, num_heads: int) -> dict:
+    keys = {"qkv.weight": (3 * d, d_in), "proj.weight": (d, d), "proj.bias": (d,)}
+    return keys | ({"qkv.bias": (3 * d,)} if bias else {})
+
+
+def _einsum_keys(d_in: int, d: int, bias: bool, num_heads: int) -> dict:
+    keys = {name: (d_in, d) for name in _PROJECTIONS}
+    keys |= {f"bias_{n}": (d,) for n in "qkv"} if bias else {}
+    return keys | {"out_proj.weight": (d, d), "out_proj.bias": (d,)}
+
+
+def _torch_mha_keys(d_in: int, d: int, bias: bool, num_heads: int) -> dict:
+    if d_in != d:
+        raise ValueError(
+            f"The module has d_in={d_in} and d_out={d}, but MHAPyTorchClass's "
+            "nn.MultiheadAttention(embed_dim=d_out) reads inputs of width d_out: build the "
+            "module with d_in == d_out."
+        )
+    keys = {"multihead_attn.in_proj_weight": (3 * d, d), "multihead_attn.out_proj.weight": (d, d)}
+    if bias:
+        keys |= {"multihead_attn.in_proj_bias": (3 * d,), "multihead_attn.out_proj.bias": (d,)}
+    return keys | {"proj.weight": (d, d), "proj.bias": (d,)}
+
+
+def _ch03_wrapper_keys(d_in: int, d: int, bias: bool, num_heads: int) -> dict:
+    keys = {}
+    for i in range(num_heads):
+        for name in _PROJECTIONS:
+            keys[f"heads.{i}.{name}.weight"] = (d // num_heads, d_in)
+            keys |= {f"heads.{i}.{name}.bias": (d // num_heads,)} if bias else {}
+    return keys | {"out_proj.weight": (d, d), "out_proj.bias": (d,)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A parameter layout of the bonus notebook's classes."""
+
+    classes: str  # the notebook classes that have it, for messages
+    pattern: re.Pattern  # the keys it holds (besides mask buffers)
+    listing: str  # those keys, for messages
+    load: Callable[[dict[str, np.ndarray]], dict]  # arrays -> MultiHeadAttention params
+    # (d_in, d_out, qkv_bias, num_heads) of a module -> the key shapes it needs
+    keys_for: Callable[[int, int, bool, int], dict[str, tuple[int, ...]]]
+
+
+_COMBINED_QKV = _Layout(
+    "MultiHeadAttentionCombinedQKV, MHAPyTorchScaledDotProduct, MHAPyTorchSDPAWithoutFlash "
+    "and MHAPyTorchFlexAttention",
+    re.compile(r"^(?:qkv|proj)\.(?:weight|bias)$"),
+    "qkv.weight, qkv.bias, proj.weight, proj.bias",
+    _load_combined_qkv,
+    _combined_qkv_keys,
+)
+_EINSUM = _Layout(
+    "MHAEinsum",
+    re.compile(r"^(?:W_query|W_key|W_value|bias_[qkv]|out_proj\.weight|out_proj\.bias)$"),
+    "W_query, W_key, W_value, bias_q, bias_k, bias_v, out_proj.weight, out_proj.bias",
+    _load_einsum,
+    _einsum_keys,
+)
+_TORCH_MHA = _Layout(
+    "MHAPyTorchClass",
+    re.compile(
+        r"^(?:multihead_attn\.(?:in_proj_weight|in_proj_bias|out_proj\.weight|out_proj\.bias"
+        r"|bias_k|bias_v)|proj\.weight|proj\.bias)$"
+    ),
+    "multihead_attn.in_proj_weight, multihead_attn.in_proj_bias, "
+    "multihead_attn.out_proj.weight, multihead_attn.out_proj.bias, proj.weight, proj.bias",
+    _load_torch_mha,
+    _torch_mha_keys,
+)
+_CH03_WRAPPER = _Layout(
+    "Ch03_MHA_Wrapper",
+    re.compile(
+        r"^(?:heads\.\d+\.(?:W_query|W_key|W_value)\.(?:weight|bias)|out_proj\.(?:weight|bias))$"
+    ),
+    "heads.{i}.W_query.weight, heads.{i}.W_query.bias (and W_key, W_value), "
+    "out_proj.weight, out_proj.bias",
+    _load_ch03_wrapper,
+    _ch03_wrapper_keys,
+)
+_NOTEBOOK_LAYOUTS = (_COMBINED_QKV, _EINSUM, _TORCH_MHA, _CH03_WRAPPER)
+
+
+def _notebook_layout(arrays: Mapping[str, np.ndarray]) -> _Layout | None:
+    """The bonus notebook's layout of these keys, or None for the chapter's own classes.
+
+    Raises:
+      ValueError: a key of another layout among them.
+    """
+    keys = set(arrays)
+    out_proj = bool(keys & {"out_proj.weight", "out_proj.bias"})
+    chapter_linear = any(_LINEAR_KEY.match(k) for k in keys)
+    if any(k.startswith("multihead_attn.") for k in keys):
+        layout = _TORCH_MHA
+    elif keys & {"qkv.weight", "qkv.bias", "proj.weight", "proj.bias"}:
+        layout = _COMBINED_QKV
+    elif keys & {"bias_q", "bias_k", "bias_v"} or (
+        keys & set(_PROJECTIONS) and out_proj and not chapter_linear
+    ):
+        layout = _EINSUM  # raw matrices beside out_proj: SelfAttention_v1 has no out_proj
+    elif out_proj and all(k.startswith("heads.") or _OUT_PROJ_KEY.match(k) for k in keys):
+        layout = _CH03_WRAPPER if _num_heads(arrays) else None
+    else:
+        layout = None
+    if layout is not None:
+        for key in sorted(keys):
+            if not layout.pattern.match(key):
+                raise ValueError(
+                    f"state_dict has key {key!r} beside keys of the bonus notebook's "
+                    f"{layout.classes}, which hold {layout.listing} (and a mask buffer): pass "
+                    "the state dict of one module."
+                )
+    return layout
+
+
+def _check_notebook_module(layout: _Layout, arrays, params: Mapping, module) -> None:
+    """Checks a notebook layout's keys and shapes against a MultiHeadAttention ``module``."""
+    flat = {p: _shape(v) for p, v in _flatten(_expected_params(module, _d_in(params))).items()}
+    if {p[0] for p in flat} != {*_PROJECTIONS, "out_proj"}:
+        raise ValueError(
+            f"state_dict holds {layout.classes} weights, which load into a jattn "
+            f"MultiHeadAttention; the module is a {type(module).__name__} with parameters "
+            f"{sorted('/'.join(p) for p in flat)}."
+        )
+    num_heads, given = getattr(module, "num_heads", None), _num_heads(arrays)
+    if layout is _CH03_WRAPPER and given != num_heads:
+        raise ValueError(
+            f"state_dict has {given} heads (heads.0 ... heads.{given - 1}), the module has "
+            f"num_heads={num_heads}: "
+            "Ch03_MHA_Wrapper(d_in, d_out, ..., num_heads=H) loads into "
+            "MultiHeadAttention(H * d_out, ..., num_heads=H)."
+        )
+    expected = layout.keys_for(*_widths(flat, layout.classes), num_heads)
+    got = {key: value.shape for key, value in arrays.items()}
+    _match_tree(got, expected, lambda path: path[0], "state_dict")
+
+
+# ----------------------------------------------------------------------------------------
+# The entry
+# ----------------------------------------------------------------------------------------
+
+
+def _known_key(key: str) -> bool:
+    return bool(
+        key in _PROJECTIONS
+        or _LINEAR_KEY.match(key)
+        or _OUT_PROJ_KEY.match(key)
+        or any(layout.pattern.match(key) for layout in _NOTEBOOK_LAYOUTS)
+    )
+
+
+def _read_state_dict(state_dict: Mapping) -> dict[str, np.ndarray]:
+    """The parameters as numpy arrays, mask buffers dropped; an unknown key raises."""
+    arrays = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise ValueError(f"state_dict has a non-string key {key!r}.")
+        if _BUFFER_KEY.match(key):
+            continue  # the book's registered causal-mask buffer; jattn builds masks itself
+        if not _known_key(key):
+            raise ValueError(
+                f"state_dict has unknown key {key!r}. Expected the book's keys: W_query, "
+                "W_query.weight, W_query.bias (and W_key, W_value), out_proj.weight, "
+                "out_proj.bias, heads.{i}.W_query.weight, ..., or those of the bonus notebook "
+                "mha-implementations.ipynb: qkv.weight, qkv.bias, proj.weight, proj.bias; "
+                "bias_q, bias_k, bias_v; multihead_attn.in_proj_weight, "
+                "multihead_attn.in_proj_bias, multihead_attn.out_proj.weight, "
+                "multihead_attn.out_proj.bias (buffers named mask are ignored)."
+            )
+        arrays[key] = _to_numpy(key, value)
+    return arrays
+
+
+def _heads_params(linear: Mapping[int, dict[str, np.ndarray]]) -> dict:
+    """``{'heads_{i}': params}`` of heads 0 ... n-1 (each checked, all the same shapes)."""
+    heads = sorted(linear)
+    for i in range(len(heads)):
+        if i not in heads:
+            raise ValueError(f"state_dict is missing key heads.{i}.W_query.weight.")
+    params = {f"heads_{i}": _linear_group(linear[i], f"heads.{i}.", False) for i in heads}
+    first = jax.tree.map(np.shape, params["heads_0"])
+    for i in heads[1:]:
+        shapes = jax.tree.map(np.shape, params[f"heads_{i}"])
+        if shapes != first:
+            raise ValueError(
+                f"state_dict heads.{i}.* shapes {shapes} differ from heads.0.* {first}: "
+                "every head of the wrapper has the same shapes."
+            )
+    return params
+
+
+def _chapter_params(arrays: dict[str, np.ndarray]) -> dict:
+    """Params of the chapter's classes (SelfAttention_v1 ... MultiHeadAttention)."""
+    raw = {k: v for k, v in arrays.items() if k in _PROJECTIONS}
+    linear: dict[int | None, dict[str, np.ndarray]] = {}  # head index (None: top level)
+    for key, value in arrays.items():
+        if m := _LINEAR_KEY.match(key):
+            head, name, kind = m.groups()
+            head = None if head is None else int(head)
+            linear.setdefault(head, {})[f"{name}.{kind}"] = value
+        elif m := _OUT_PROJ_KEY.match(key):
+            linear.setdefault(None, {})[f"out_proj.{m.group(1)}"] = value
+    if raw and linear:
+        key = next(iter(raw))
+        raise ValueError(
+            f"state_dict mixes SelfAttention_v1's raw {key!r} with nn.Linear keys; pass the "
+            "state dict of one module."
+        )
+    heads = {h: group for h, group in linear.items() if h is not None}
+    if raw:
+        return _raw_group(raw)
+    if heads:
+        if None in linear:
+            top = sorted(linear[None], key=lambda k: k.startswith("out_proj"))
+            raise ValueError(
+                f"state_dict has key {top[0]!r} beside heads.{{i}}.* keys: the book's "
+                "MultiHeadAttentionWrapper has no parameters outside its heads (the bonus "
+                "notebook's Ch03_MHA_Wrapper has out_proj.weight and out_proj.bias)."
+            )
+        return _heads_params(heads)
+    if linear:
+        top = linear[None]
+        return _linear_group(top, "", "out_proj.weight" in top or "out_proj.bias" in top)
+    raise ValueError("state_dict holds no attention parameters (is it empty?).")
+
+
+def _d_in(params: Mapping) -> int:
+    """Input width of loaded params (a raw matrix or a kernel is ``[d_in, d_out]``)."""
+    w_query = (params["heads_0"] if "heads_0" in params else params)["W_query"]
+    return np.shape(w_query["kernel"] if isinstance(w_query, Mapping) else w_query)[0]
+
+
 def from_torch_state_dict(state_dict: Mapping[str, Any], module=None) -> dict:
     """Linen variables ``{'params': ...}`` from a state dict of the book's PyTorch classes.
 
-    The layout is recognised from the keys: ``heads.{i}.*`` is a
-    ``MultiHeadAttentionWrapper``; ``out_proj.*`` a ``MultiHeadAttention``; a raw
-    ``W_query`` a ``SelfAttention_v1``; ``W_query.weight`` a ``SelfAttention_v2`` or a
-    ``CausalAttention`` (same parameters). Buffers (``mask``, ``heads.{i}.mask``) are
-    ignored. The result also loads into :mod:`jattn.nnx` modules through
-    :func:`linen_to_nnx`.
+    The layout is recognised from the keys (the module docstring lists every mapping):
+    ``heads.{i}.*`` is a ``MultiHeadAttentionWrapper``; ``out_proj.*`` a
+    ``MultiHeadAttention``; a raw ``W_query`` a ``SelfAttention_v1``; ``W_query.weight`` a
+    ``SelfAttention_v2`` or a ``CausalAttention`` (same parameters). The bonus notebook's
+    classes load into a ``MultiHeadAttention``: ``heads.{i}.*`` with ``out_proj.*``
+    (``Ch03_MHA_Wrapper``), ``qkv.*`` with ``proj.*`` (``MultiHeadAttentionCombinedQKV``,
+    ``MHAPyTorchScaledDotProduct``, ``MHAPyTorchSDPAWithoutFlash``,
+    ``MHAPyTorchFlexAttention``), raw ``W_query`` with ``out_proj.*`` (``MHAEinsum``),
+    ``multihead_attn.*`` with ``proj.*`` (``MHAPyTorchClass``, its two output projections
+    folded into one). Buffers (``mask``, ``heads.{i}.mask``) are ignored. The result also
+    loads into :mod:`jattn.nnx` modules through :func:`linen_to_nnx`.
 
     Args:
       state_dict: PyTorch key -> array-like (numpy arrays, or torch tensors, which are
@@ -272,79 +777,30 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], module=None) -> dict:
       ``{'params': {...}}`` with the book's names, ``nn.Linear`` weights transposed.
 
     Raises:
-      ValueError: an unknown or missing key, a wrong shape (each names the key).
-      TypeError: a value that is not a float array.
+      ValueError: an unknown or missing key, a wrong shape (each names the key), keys of
+        two layouts together, or weights jattn's modules cannot hold exactly
+        (``nn.MultiheadAttention``'s ``bias_k``/``bias_v``).
+      TypeError: a value that is not a float array, or ``module`` not a jattn module.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"state_dict must be a mapping of PyTorch keys to arrays (model.state_dict()), "
             f"got {type(state_dict).__name__}."
         )
-    raw: dict[str, np.ndarray] = {}
-    linear: dict[int | None, dict[str, np.ndarray]] = {}  # head index (None: top level)
-    for key, value in state_dict.items():
-        if not isinstance(key, str):
-            raise ValueError(f"state_dict has a non-string key {key!r}.")
-        if _BUFFER_KEY.match(key):
-            continue  # the book's registered causal-mask buffer; jattn builds masks itself
-        if key in _PROJECTIONS:
-            raw[key] = _to_numpy(key, value)
-        elif m := _LINEAR_KEY.match(key):
-            head, name, kind = m.groups()
-            head = None if head is None else int(head)
-            linear.setdefault(head, {})[f"{name}.{kind}"] = _to_numpy(key, value)
-        elif m := _OUT_PROJ_KEY.match(key):
-            linear.setdefault(None, {})[f"out_proj.{m.group(1)}"] = _to_numpy(key, value)
-        else:
-            raise ValueError(
-                f"state_dict has unknown key {key!r}. Expected the book's keys: W_query, "
-                "W_query.weight, W_query.bias (and W_key, W_value), out_proj.weight, "
-                "out_proj.bias, heads.{i}.W_query.weight, ... (buffers named mask are ignored)."
-            )
-    if raw and linear:
-        key = next(iter(raw))
-        raise ValueError(
-            f"state_dict mixes SelfAttention_v1's raw {key!r} with nn.Linear keys; pass the "
-            "state dict of one module."
-        )
-    heads = sorted(h for h in linear if h is not None)
-    if raw:
-        params = _raw_group(raw)
-    elif heads:
-        if None in linear:
-            key = f"{next(iter(linear[None]))}"
-            raise ValueError(
-                f"state_dict has key {key!r} beside heads.{{i}}.* keys: the book's "
-                "MultiHeadAttentionWrapper has no parameters outside its heads."
-            )
-        for i in range(len(heads)):
-            if i not in heads:
-                raise ValueError(f"state_dict is missing key heads.{i}.W_query.weight.")
-        params = {f"heads_{i}": _linear_group(linear[i], f"heads.{i}.", False) for i in heads}
-        first = jax.tree.map(np.shape, params["heads_0"])
-        for i in heads[1:]:
-            shapes = jax.tree.map(np.shape, params[f"heads_{i}"])
-            if shapes != first:
-                raise ValueError(
-                    f"state_dict heads.{i}.* shapes {shapes} differ from heads.0.* {first}: "
-                    "every head of the wrapper has the same shapes."
-                )
-    elif linear:
-        top = linear[None]
-        params = _linear_group(top, "", "out_proj.weight" in top or "out_proj.bias" in top)
-    else:
-        raise ValueError("state_dict holds no attention parameters (is it empty?).")
-
+    arrays = _read_state_dict(state_dict)
+    layout = _notebook_layout(arrays)
+    params = _chapter_params(arrays) if layout is None else layout.load(arrays)
     if module is not None:
         _check_module(module, "any")
-        w_query = (params["heads_0"] if heads else params)["W_query"]
-        d_in = np.shape(w_query if raw else w_query["kernel"])[0]
-        _match_tree(
-            _torch_shapes(params),
-            _torch_shapes(_expected_params(module, d_in)),
-            _torch_key,
-            "state_dict",
-        )
+        if layout is None:
+            _match_tree(
+                _torch_shapes(params),
+                _torch_shapes(_expected_params(module, _d_in(params))),
+                _torch_key,
+                "state_dict",
+            )
+        else:
+            _check_notebook_module(layout, arrays, params, module)
     return {"params": jax.tree.map(jnp.asarray, params)}
 
 

@@ -130,6 +130,31 @@ STATE_DICT = {
 }
 
 
+def ones(*shape):
+    return np.ones(shape, np.float32)
+
+
+# The bonus notebook's layouts (mha-implementations.ipynb), d_in = d_out = 4.
+QKV_STATE_DICT = {"qkv.weight": ones(12, 4), "proj.weight": ones(4, 4), "proj.bias": ones(4)}
+TORCH_MHA_STATE_DICT = {
+    "multihead_attn.in_proj_weight": ones(12, 4),
+    "multihead_attn.out_proj.weight": ones(4, 4),
+    "proj.weight": ones(4, 4),
+    "proj.bias": ones(4),
+}
+EINSUM_STATE_DICT = {n: ones(4, 4) for n in ("W_query", "W_key", "W_value")} | {
+    "out_proj.weight": ones(4, 4),
+    "out_proj.bias": ones(4),
+}
+CH03_WRAPPER_STATE_DICT = {
+    f"heads.{i}.{n}.weight": ones(2, 4) for i in range(2) for n in ("W_query", "W_key", "W_value")
+} | {"out_proj.weight": ones(4, 4), "out_proj.bias": ones(4)}
+
+
+def from_torch_sd(sd, module=None):
+    return lambda: convert.from_torch_state_dict(sd, module)
+
+
 def from_torch(replace=None, drop=(), module=None):
     sd = {k: v for k, v in STATE_DICT.items() if k not in drop} | (replace or {})
     return lambda: convert.from_torch_state_dict(sd, module)
@@ -369,6 +394,13 @@ CASES = [
     Case("convert.from_torch_state_dict", "weights that do not fit module=", V, "the module expects (8, 3)", lambda: convert.from_torch_state_dict(STATE_DICT, jl.MultiHeadAttention(8, 4, 0.0, 2))),
     Case("convert.from_torch_state_dict", "module='mha' (not a module)", T, "module must be a jattn.linen or jattn.nnx module", from_torch(module="mha")),
     Case("convert.from_torch_state_dict", "v1 raw matrices mixed with nn.Linear keys", V, "mixes SelfAttention_v1's raw", from_torch({"W_query": np.ones((3, 4))})),
+    Case("convert.from_torch_state_dict", "combined qkv.weight with 11 rows", V, "state_dict[qkv.weight] has 11 rows, which is not divisible by 3", from_torch_sd(QKV_STATE_DICT | {"qkv.weight": ones(11, 4)})),
+    Case("convert.from_torch_state_dict", "combined qkv weights that do not fit module=", V, "state_dict[qkv.weight] has shape (12, 4), the module expects (24, 4)", from_torch_sd(QKV_STATE_DICT, jl.MultiHeadAttention(8, 4, 0.0, 2))),
+    Case("convert.from_torch_state_dict", "qkv.weight beside W_query.weight (two layouts)", V, "state_dict has key 'W_query.weight' beside keys of the bonus notebook's", from_torch_sd(QKV_STATE_DICT | {"W_query.weight": ones(4, 4)})),
+    Case("convert.from_torch_state_dict", "nn.MultiheadAttention's bias_k (MHAPyTorchClass, qkv_bias=True)", V, "these weights cannot be loaded exactly", from_torch_sd(TORCH_MHA_STATE_DICT | {"multihead_attn.bias_k": ones(1, 1, 4)})),
+    Case("convert.from_torch_state_dict", "MHAPyTorchClass weights, module with d_in != d_out", V, "build the module with d_in == d_out", from_torch_sd(TORCH_MHA_STATE_DICT, jn.MultiHeadAttention(3, 4, 4, 0.0, 2, rngs=nnx.Rngs(0)))),
+    Case("convert.from_torch_state_dict", "MHAEinsum with bias_q only", V, "MHAEinsum(qkv_bias=True) has bias_q, bias_k and bias_v", from_torch_sd(EINSUM_STATE_DICT | {"bias_q": ones(4)})),
+    Case("convert.from_torch_state_dict", "Ch03_MHA_Wrapper heads != the module's num_heads", V, "state_dict has 2 heads (heads.0 ... heads.1), the module has num_heads=4", from_torch_sd(CH03_WRAPPER_STATE_DICT, jl.MultiHeadAttention(4, 4, 0.0, 4))),
     Case("convert.linen_to_nnx", "params instead of {'params': params}", V, "variables must be Linen variables {'params'", lambda: convert.linen_to_nnx(mha_variables()["params"], nnx_mha_for_state_dict())),
     Case("convert.linen_to_nnx", "a module of another class", V, "has unexpected key out_proj/bias", lambda: convert.linen_to_nnx(mha_variables(), jn.CausalAttention(3, 4, 4, 0.0, rngs=nnx.Rngs(0)))),
     Case("convert.linen_to_nnx", "a Linen module", T, "module must be a jattn.nnx module", lambda: convert.linen_to_nnx(mha_variables(), jl.MultiHeadAttention(4, 4, 0.0, 2))),
