@@ -264,8 +264,16 @@ def dense(case: Case):
     return out, vjp(d_out)
 
 
+def tolerance(dtype: str) -> float:
+    """Relative tolerance against float64 (and the dense path) for a result in ``dtype``."""
+    if dtype in ("bfloat16", "float16"):
+        return 3e-2
+    # float32 products on a GPU may run in TF32 (a 10-bit mantissa), in a kernel as in XLA.
+    return 1e-4 if BACKEND == "cpu" else 5e-3
+
+
 def check_case(module, case: Case, *, interpret: bool, check_lse: bool) -> None:
-    tol = 3e-2 if case.dtype in ("bfloat16", "float16") else 1e-4
+    tol = tolerance(case.dtype)
     q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
     out, lse, grads = run_adapter(module, case, interpret=interpret)
     assert out.dtype == q.dtype and out.shape == q.shape
