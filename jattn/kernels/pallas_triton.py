@@ -142,6 +142,20 @@ def _padded_len(t: int) -> int:
     return max(16, 1 << (t - 1).bit_length()) if t <= 128 else _common.round_up(t, 128)
 
 
+def _forward_tile(head_dim: int, dtype) -> int:
+    """The forward kernel's query/key tile: the largest of 128/64/32 whose tiles fit.
+
+    The forward kernel keeps a q tile and, pipelined over 2 stages, k and v tiles of
+    ``tile x next_pow2(head_dim)`` in shared memory: 5 tiles, kept under 160 KiB (an A100
+    or H100 has 164 / 228 KiB per SM). bfloat16 at head_dim 128 gets jax's default 128.
+    """
+    row_bytes = (1 << (head_dim - 1).bit_length()) * jnp.dtype(dtype).itemsize
+    for tile in (128, 64):
+        if 5 * tile * row_bytes <= 160 * 1024:
+            return tile
+    return 32
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _mha_with_lse(q, k, v, segment_ids, settings):
     """``mha`` returning ``(out, lse2)`` and still differentiable in ``out`` (lse2: no gradient)."""
@@ -244,10 +258,7 @@ def attention(
     t_pad = _padded_len(t)
     q3, k3, v3 = (_common.pad_axis(x, 1, t_pad) for x in (q3, k3, v3))
     ids = _kernel_segments(segments, batch, t, t_pad, is_causal)
-    # Smaller tiles where a 128-row tile of the (power-of-two padded) head dim would not fit
-    # in shared memory: float32, or head dims padded past 128.
-    wide = q3.dtype == jnp.float32 or q3.shape[-1] > 128
-    tile = 64 if wide else 128
+    tile = _forward_tile(q3.shape[-1], q3.dtype)
     blocks = _kernel_module().BlockSizes(
         block_q=tile, block_k=tile, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
     )
