@@ -433,10 +433,8 @@ def test_pallas_adapters_accept_what_they_take():
     assert splash_adapter.obstacle(**{**BASE, "backend": "tpu", "interpret": False}) is None
 
 
-def test_cudnn_refuses_without_an_nvidia_gpu():
-    if cudnn_adapter.available(BACKEND):
-        pytest.skip("this machine has a GPU cuDNN runs on")
-    reason = cudnn_adapter.obstacle(**{**BASE, "dtype": jnp.dtype(jnp.bfloat16)})
+def test_cudnn_refuses_off_gpu(hopper):
+    reason = cudnn_adapter.obstacle(**{**BASE, "backend": "cpu", "dtype": jnp.dtype(jnp.bfloat16)})
     assert reason is not None and "NVIDIA GPU" in reason
 
 
@@ -454,14 +452,31 @@ CUDNN_REFUSALS = [
 ]
 
 
+@pytest.fixture
+def hopper(monkeypatch):
+    """Makes the cuDNN adapter see a compute-capability-9.0 GPU (its checks are static)."""
+    monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (9, 0))
+
+
 @pytest.mark.parametrize(("change", "expected"), CUDNN_REFUSALS)
-def test_cudnn_refusals(change, expected):
-    if not cudnn_adapter.available(BACKEND):
-        pytest.skip("cuDNN's refusals past the device check need an NVIDIA GPU")
-    base = {**BASE, "backend": BACKEND, "dtype": jnp.dtype(jnp.bfloat16)}
+def test_cudnn_refusals(change, expected, hopper):
+    base = {**BASE, "backend": "gpu", "dtype": jnp.dtype(jnp.bfloat16)}
     assert cudnn_adapter.obstacle(**base) is None
     reason = cudnn_adapter.obstacle(**{**base, **change})
     assert reason is not None and expected in reason, reason
+
+
+def test_cudnn_head_dim_limit_follows_the_gpu(monkeypatch):
+    base = {**BASE, "backend": "gpu", "dtype": jnp.dtype(jnp.bfloat16)}
+    base.update(q_shape=(2, 64, 4, 256), kv_shape=(2, 64, 2, 256))
+    monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (9, 0))
+    assert cudnn_adapter.obstacle(**base) is None
+    monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (8, 0))
+    assert "up to 128" in cudnn_adapter.obstacle(**base)
+    monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (7, 5))
+    assert "compute capability >= 8.0" in cudnn_adapter.obstacle(**base)
+    monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: None)
+    assert "NVIDIA GPU" in cudnn_adapter.obstacle(**base)
 
 
 # ----------------------------------------------------------------------------------------

@@ -34,14 +34,14 @@ import jax.numpy as jnp
 
 from jattn.kernels import _common
 
-__all__ = ["attention", "available", "obstacle"]
+__all__ = ["attention", "available", "compute_capability", "obstacle"]
 
 Array = jax.Array
 
 _DTYPES = ("bfloat16", "float16")
 
 
-def _compute_capability() -> tuple[int, int] | None:
+def compute_capability() -> tuple[int, int] | None:
     """The first GPU's CUDA compute capability, or None (no NVIDIA GPU)."""
     try:
         device = jax.devices("gpu")[0]
@@ -58,7 +58,7 @@ def available(backend: str) -> bool:
     """True on an NVIDIA GPU of compute capability >= 8.0 (cuDNN flash attention's floor)."""
     if backend != "gpu":
         return False
-    capability = _compute_capability()
+    capability = compute_capability()
     return capability is not None and capability >= (8, 0)
 
 
@@ -113,7 +113,7 @@ def _shape_obstacle(
     traced_scale,
 ) -> str | None:  # fmt: skip
     q_len, kv_len, head_dim = q_shape[-3], kv_shape[-3], q_shape[-1]
-    max_dim = 256 if _compute_capability() >= (9, 0) else 128
+    max_dim = 256 if compute_capability() >= (9, 0) else 128
     if head_dim % 8 or head_dim > max_dim:
         return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {max_dim} on this GPU)"
     if v_head_dim is not None and v_head_dim != head_dim:
