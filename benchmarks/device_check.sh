@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The accelerator check in one command (issue 16), on a machine with a GPU:
+#
+#   1. the kernel conformance suite on the device (tests/test_kernels.py: cuDNN and the
+#      Pallas Triton kernel natively, against float64 numpy and jattn's dense path; splash
+#      is a TPU kernel, checked in interpret mode by CI on CPU, so it is left out here);
+#   2. train_toy.py --platform gpu (the causal-vs-leaky table);
+#   3. benchmarks/bench_accelerators.py (forward and forward+backward, float32 and bfloat16,
+#      causal, T = 1k..32k, B=4 H=16 D=128: every jattn implementation against jax.nn's XLA
+#      and cuDNN attention, with compiled memory), given whatever time is left.
+#
+# Usage:
+#   bash benchmarks/device_check.sh [OUTDIR]            # default OUTDIR: benchmarks/device_check
+#   DRY_RUN=1 bash benchmarks/device_check.sh /tmp/dc   # tiny sizes on CPU: checks the script
+#
+# OUTDIR receives at most 6 files: device_check.md (what ran, exit codes, times),
+# conformance.log, train_toy.log, toy_summary.json, accelerators.md (the benchmark table) and
+# bench.log. The whole check stays within TOTAL_S seconds (default 480: 8 minutes on one GPU):
+# every step runs under `timeout`, and the benchmark gets the time the others left (it stops
+# between configurations at its budget and rewrites its table after each one, so a cut run
+# still leaves a table).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR="${1:-benchmarks/device_check}"
+mkdir -p "$OUTDIR"
+PY="${PYTHON:-python3}"
+TOTAL_S="${TOTAL_S:-480}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+start=$(date +%s)
+elapsed() { echo $(($(date +%s) - start)); }
+
+if [ "${DRY_RUN:-}" = 1 ]; then
+  platform=cpu
+  export JATTN_PALLAS_INTERPRET=1
+  pytest_args=(-k "causal_gqa or refusals")
+  toy_args=(--steps 20 --eval-every 10 --checkpoint-every 20)
+  bench_args=(--small --lengths 128 --dtypes bfloat16)
+else
+  platform=gpu
+  pytest_args=(-k "not splash")
+  toy_args=()
+  bench_args=()
+fi
+
+summary="$OUTDIR/device_check.md"
+{
+  echo "# Device check"
+  echo
+  echo "\`bash benchmarks/device_check.sh\` on $(date -u +%Y-%m-%dT%H:%MZ)$([ "${DRY_RUN:-}" = 1 ] && echo ' (DRY_RUN: CPU, tiny sizes)')."
+  echo
+  echo '```'
+  (command -v nvidia-smi >/dev/null && nvidia-smi -L) || echo "no nvidia-smi"
+  "$PY" -c 'import sys, jax; print("Python", sys.version.split()[0], "| jax", jax.__version__, "|", jax.devices())' 2>&1
+  echo '```'
+  echo
+  echo "| step | exit | seconds |"
+  echo "|---|---|---|"
+} >"$summary"
+
+step() {  # step NAME TIMEOUT LOG CMD...: runs CMD under timeout, logs it, adds a summary row
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0; t0=$(date +%s)
+  echo "== $name (limit ${limit}s, at $(elapsed)s)"
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  tail -n 25 "$log"
+  echo "| $name | $rc$([ $rc = 124 ] && echo ' (timed out)') | $(($(date +%s) - t0)) |" >>"$summary"
+  return 0
+}
+
+step "conformance (tests/test_kernels.py ${pytest_args[*]})" 200 "$OUTDIR/conformance.log" \
+  "$PY" -m pytest tests/test_kernels.py -q -rA -p no:cacheprovider "${pytest_args[@]}"
+
+toy_dir=$(mktemp -d)
+step "train_toy.py --platform $platform" 120 "$OUTDIR/train_toy.log" \
+  "$PY" train_toy.py --platform "$platform" --no-progress --out "$toy_dir/run" "${toy_args[@]}"
+cp "$toy_dir/run/summary.json" "$OUTDIR/toy_summary.json" 2>/dev/null || true
+rm -rf "$toy_dir"
+
+# The benchmark gets what is left, less a margin for the configuration in flight when its
+# budget runs out and for the timeout's own grace period.
+left=$((TOTAL_S - $(elapsed) - 15))
+[ "$left" -lt 40 ] && left=40
+budget=$((left - 90))
+[ "$budget" -lt 30 ] && budget=30
+step "bench_accelerators.py (budget ${budget}s)" "$left" "$OUTDIR/bench.log" \
+  "$PY" benchmarks/bench_accelerators.py --budget-s "$budget" --out "$OUTDIR/accelerators.md" "${bench_args[@]}"
+
+echo >>"$summary"
+echo "Total: $(elapsed) s (limit $TOTAL_S s). Logs beside this file; the benchmark table is accelerators.md." >>"$summary"
+cat "$summary"

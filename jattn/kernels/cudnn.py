@@ -1,0 +1,192 @@
+"""cuDNN flash attention (``jax.nn.dot_product_attention(implementation='cudnn')``) behind jattn's call.
+
+What cuDNN takes through ``jax.nn``: ``[B, T, N, H]`` float16/bfloat16 inputs on an NVIDIA
+GPU of compute capability >= 8.0, head size a multiple of 8 up to 128 (256 from Hopper on),
+value head size equal to the query's, grouped- and multi-query attention without copying
+K/V, a scale, causal masks, query and key/value lengths, and a window that looks left only
+(``(pos - left, pos]``, causal by construction). How the adapter maps jattn's call:
+
+* batch dims: flattened to one;
+* window ``(left, right)``: with ``is_causal`` the right side is hidden anyway, so it is
+  passed as ``(left, 0)``; without it only ``right == 0`` fits cuDNN's left-only window;
+* lengths: passed to cuDNN (padded queries are skipped there; jax's own tests check their
+  output and gradients are zero); a key length of 0 would leave rows with nothing to attend,
+  so the adapter passes ``max(kv_length, 1)`` and zeros those rows itself;
+* fully masked query rows: with the refusals below, a query attends nothing only when it
+  is past its length or its sequence has no key; the adapter zeros exactly those rows (and
+  their gradients) with a ``where``;
+* lse: not returned (``None``): ``jax.nn`` returns cuDNN's log-sum-exp rounded to the input
+  dtype (bfloat16 keeps 3 significant digits), too coarse to merge partial attentions.
+
+Refused: float32/float64 (cuDNN computes in float16/bfloat16), segment ids (cuDNN's packed
+layout needs contiguous segments), soft-capping, windows with lengths or reaching right,
+``is_causal`` or windows with q_len != kv_len (which diagonal cuDNN aligns to is not
+checked here), a traced scale, mask and bias arrays (jattn routes those to its own paths).
+
+None of this runs on CPU: the tests for it skip without a GPU; ``benchmarks/device_check.sh``
+runs them on one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn.kernels import _common
+
+__all__ = ["attention", "available", "compute_capability", "obstacle"]
+
+Array = jax.Array
+
+_DTYPES = ("bfloat16", "float16")
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """The first GPU's CUDA compute capability, or None (no NVIDIA GPU)."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    capability = getattr(device, "compute_capability", None)
+    if capability is None or "nvidia" not in device.device_kind.lower():
+        return None
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    return major, minor
+
+
+def available(backend: str) -> bool:
+    """True on an NVIDIA GPU of compute capability >= 8.0 (cuDNN flash attention's floor)."""
+    if backend != "gpu":
+        return False
+    capability = compute_capability()
+    return capability is not None and capability >= (8, 0)
+
+
+def obstacle(
+    *,
+    backend: str,
+    interpret: bool,
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    dtype,
+    is_causal: bool,
+    window: tuple[int, int | None] | None,
+    has_mask: bool,
+    has_bias: bool,
+    has_lengths: bool,
+    has_segments: bool,
+    dropout: bool,
+    return_weights: bool,
+    softcap: float | None,
+    separate_kv_segments: bool = False,
+    v_head_dim: int | None = None,
+    traced_scale: bool = False,
+) -> str | None:
+    """Why cuDNN cannot honour this call (None: it can). Static only; ``interpret`` is unused.
+
+    Extra flags beyond the shared interface: ``v_head_dim`` (value head size, when unlike
+    the query's) and ``traced_scale`` (scale is a tracer); ``separate_kv_segments`` is
+    accepted for a uniform call (segment ids are refused anyway).
+    """
+    del interpret, separate_kv_segments
+    if not available(backend):
+        return f"it needs an NVIDIA GPU of compute capability >= 8.0 (backend: {backend})"
+    reason = _common.common_obstacle(
+        has_mask=has_mask,
+        has_bias=has_bias,
+        dropout=dropout,
+        return_weights=return_weights,
+        dtype=dtype,
+        dtypes=_DTYPES,
+        kernel="cuDNN",
+    )
+    if reason is not None:
+        return reason
+    return _shape_obstacle(
+        q_shape, kv_shape, is_causal, window, has_lengths, has_segments, softcap,
+        v_head_dim, traced_scale,
+    )  # fmt: skip
+
+
+def _shape_obstacle(
+    q_shape, kv_shape, is_causal, window, has_lengths, has_segments, softcap, v_head_dim,
+    traced_scale,
+) -> str | None:  # fmt: skip
+    q_len, kv_len, head_dim = q_shape[-3], kv_shape[-3], q_shape[-1]
+    max_dim = 256 if compute_capability() >= (9, 0) else 128
+    if head_dim % 8 or head_dim > max_dim:
+        return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {max_dim} on this GPU)"
+    if v_head_dim is not None and v_head_dim != head_dim:
+        return f"a value head size ({v_head_dim}) unlike the query's ({head_dim})"
+    if has_segments:
+        return "segment ids (cuDNN packs only contiguous segments)"
+    if softcap is not None:
+        return "logit soft-capping"
+    if traced_scale:
+        return "a traced scale (cuDNN compiles the scale in)"
+    if (is_causal or window is not None) and q_len != kv_len:
+        return f"is_causal or a window with q_len != kv_len ({q_len} vs {kv_len})"
+    if window is not None:
+        if has_lengths:
+            return "a window together with lengths (rows could be left with no key)"
+        if not is_causal and window[1] != 0:
+            return "a window reaching right of the query (cuDNN's window looks left only)"
+    return None
+
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    window: tuple[int, int | None] | None,
+    q_lengths: Array | None,
+    kv_lengths: Array | None,
+    q_segments: Array | None,
+    kv_segments: Array | None,
+    softcap: float | None,
+    interpret: bool,
+) -> tuple[Array, None]:
+    """cuDNN flash attention with jattn's semantics (mapping: module docstring).
+
+    Args:
+      q: ``[batch..., Tq, H, D]`` float16/bfloat16.
+      k, v: ``[batch..., Tk, K, D]`` (``H % K == 0``).
+      scale: the logit multiplier (a Python float).
+      is_causal: query ``i`` sees keys ``j <= i``.
+      window: ``(left, right)`` or None (see module docstring).
+      q_lengths, kv_lengths: int ``[batch...]`` or None.
+      q_segments, kv_segments, softcap: must be None (refused by :func:`obstacle`).
+      interpret: unused (cuDNN has no interpret mode).
+
+    Returns:
+      ``(out [batch..., Tq, H, D]`` in q's dtype, ``None)``.
+    """
+    del q_segments, kv_segments, softcap, interpret
+    q3, batch_shape = _common.flatten_batch(q, 3)
+    k3, _ = _common.flatten_batch(k, 3)
+    v3, _ = _common.flatten_batch(v, 3)
+    tq = q3.shape[1]
+    q_len = _common.flat_or_none(q_lengths, 0)
+    kv_len = _common.flat_or_none(kv_lengths, 0)
+    valid = _common.lengths_valid(q_len, tq)
+    if kv_len is not None:
+        has_key = jnp.broadcast_to(kv_len[:, None] > 0, (kv_len.shape[0], tq))
+        valid = has_key if valid is None else valid & has_key
+        kv_len = jnp.maximum(kv_len, 1)
+    local = None if window is None else (int(window[0]), 0)
+    out = jax.nn.dot_product_attention(
+        q3,
+        k3,
+        v3,
+        scale=float(scale),
+        is_causal=is_causal,
+        query_seq_lengths=None if q_len is None else q_len.astype(jnp.int32),
+        key_value_seq_lengths=None if kv_len is None else kv_len.astype(jnp.int32),
+        local_window_size=local,
+        implementation="cudnn",
+    )
+    out, _ = _common.zero_invalid_rows(out, None, valid)
+    return _common.unflatten_batch(out, batch_shape), None
