@@ -674,3 +674,22 @@ def test_bfloat16_torch_tensors_load():
     np.testing.assert_array_equal(
         model.out_head.kernel[...], sd["out_head.weight"].float().numpy().T
     )
+
+
+@pytest.mark.torch
+def test_the_books_full_size_configs_parse():
+    torch = pytest.importorskip("torch")
+    llama3 = pytest.importorskip("llms_from_scratch.llama3")
+    qwen3 = pytest.importorskip("llms_from_scratch.qwen3")
+    for cfg, head_dim in ((llama3.LLAMA32_CONFIG_1B, 64), (llama3.LLAMA32_CONFIG_3B, 128)):
+        parsed = models.config_from_book("llama3", cfg)
+        assert parsed.dtype == jnp.bfloat16 and parsed.head_dim == head_dim
+        assert parsed.rope_freq.to_book() == cfg["rope_freq"]
+    parsed = models.config_from_book("qwen3", qwen3.QWEN_CONFIG_06_B)
+    assert (parsed.head_dim, parsed.qk_norm, parsed.n_kv_groups) == (128, True, 8)
+    assert (
+        models.config_from_book("qwen3", {**qwen3.QWEN3_CONFIG_8B, "dtype": torch.float32}).dtype
+        == jnp.float32
+    )
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        models.config_from_book("qwen3", qwen3.QWEN3_CONFIG_30B_A3B)
