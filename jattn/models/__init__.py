@@ -1,0 +1,40 @@
+"""The book's later models in Flax NNX, built on jattn's attention module.
+
+* :class:`GPTModel` — chapter 4's GPT (GPT-2 architecture);
+* :class:`Llama3Model` — the book's Llama 3 / 3.1 / 3.2;
+* :class:`Qwen3Model` — the book's Qwen3 (dense models).
+
+Each takes the book's configuration dict (the same keys as its PyTorch class), returns
+logits ``[batch..., T, vocab_size]`` from ``model(token_ids)``, and decodes with a KV cache
+(``model.init_cache(batch_shape, capacity)``, then ``model(chunk, decode=True)``).
+
+* :func:`from_book` ``(arch, cfg, state_dict)`` builds a model and loads the book's
+  PyTorch ``state_dict()`` (torch tensors or numpy arrays; torch is never imported);
+  :func:`to_book_state_dict` goes back.
+* :func:`generate` ``(model, token_ids, max_new_tokens, temperature, top_k, key)``
+  generates with the KV cache in one compiled program.
+"""
+
+from jattn.models.base import LanguageModel
+from jattn.models.configs import GPTConfig, Llama3Config, Qwen3Config, config_from_book
+from jattn.models.generation import generate
+from jattn.models.gpt2 import GPTModel
+from jattn.models.llama3 import Llama3Model
+from jattn.models.qwen3 import Qwen3Model
+from jattn.models.weights import book_keys, detect_arch, from_book, to_book_state_dict
+
+__all__ = [
+    "GPTConfig",
+    "GPTModel",
+    "LanguageModel",
+    "Llama3Config",
+    "Llama3Model",
+    "Qwen3Config",
+    "Qwen3Model",
+    "book_keys",
+    "config_from_book",
+    "detect_arch",
+    "from_book",
+    "generate",
+    "to_book_state_dict",
+]

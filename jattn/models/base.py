@@ -1,0 +1,155 @@
+"""What the three models share: token checks, the dropout mode, and the KV cache.
+
+Every model holds its config (a frozen dataclass, see :mod:`jattn.models.configs`) as
+``cfg`` and its transformer blocks as ``trf_blocks`` (an ``nnx.List``), each with a
+:class:`jattn.nnx.MultiHeadAttention` as ``att``. Decoding goes through the attention
+modules' own caches (:mod:`jattn.kvcache`): :meth:`LanguageModel.init_cache` creates one
+per block, and a call with ``decode=True`` appends the chunk to every one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jattn import rope
+
+__all__ = ["LanguageModel"]
+
+Array = jax.Array
+RngsArg = nnx.Rngs | nnx.RngStream | jax.Array | None
+
+
+class LanguageModel(nnx.Module):
+    """Base class of :class:`GPTModel`, :class:`Llama3Model` and :class:`Qwen3Model`."""
+
+    cfg: Any
+    dtype: Any  # of the activations and the KV cache
+    trf_blocks: nnx.List
+
+    @staticmethod
+    def check_rngs(rngs, name: str) -> None:
+        """Constructors take an ``nnx.Rngs`` (a TypeError naming the model otherwise)."""
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(
+                f"{name}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0)), got "
+                f"{type(rngs).__name__}."
+            )
+
+    def check_token_ids(self, token_ids) -> Array:
+        """Validates ``token_ids`` int ``[batch..., T]`` and returns them as an array.
+
+        Raises:
+          TypeError: non-integer ids.
+          ValueError: no token axis or no tokens, more than ``context_length`` tokens, and
+            (when the ids are concrete, i.e. not under ``jax.jit``) ids outside
+            ``[0, vocab_size)``.
+        """
+        name, cfg = type(self).__name__, self.cfg
+        token_ids = jnp.asarray(token_ids)
+        if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+            raise TypeError(
+                f"{name}: token_ids must be integer token ids [batch..., num_tokens], got dtype "
+                f"{token_ids.dtype}."
+            )
+        if token_ids.ndim < 1 or token_ids.shape[-1] < 1:
+            raise ValueError(
+                f"{name}: token_ids must have shape [batch..., num_tokens] with num_tokens >= 1, "
+                f"got {token_ids.shape}."
+            )
+        if token_ids.shape[-1] > cfg.context_length:
+            raise ValueError(
+                f"{name}: token_ids holds {token_ids.shape[-1]} tokens (last axis of "
+                f"{token_ids.shape}) but cfg['context_length'] is {cfg.context_length}. Keep the "
+                f"last {cfg.context_length} tokens (the book's idx[:, -context_size:])."
+            )
+        if not isinstance(token_ids, jax.core.Tracer) and token_ids.size:
+            lo, hi = int(np.min(token_ids)), int(np.max(token_ids))
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(
+                    f"{name}: token_ids must be in [0, {cfg.vocab_size}) (cfg['vocab_size']), got "
+                    f"values from {lo} to {hi}."
+                )
+        return token_ids
+
+    def dropout_mode(self, deterministic: bool | None, rngs: RngsArg, rate: float):
+        """``(deterministic, rngs)`` for this call.
+
+        ``deterministic``: the call argument, else the attribute (``.train()`` /
+        ``.eval()``); with ``rate == 0`` neither is needed. A raw key becomes an
+        ``nnx.Rngs(dropout=key)``, so each dropout layer draws its own key from it.
+        """
+        name = type(self).__name__
+        if deterministic is None:
+            deterministic = self.deterministic
+        if deterministic is None:
+            if rate > 0.0:
+                raise ValueError(
+                    f"{name} has drop_rate={rate} but no `deterministic` was given: pass "
+                    "deterministic=True (inference) or False (training) to the call or the "
+                    "constructor, or use model.eval() / model.train()."
+                )
+            deterministic = True
+        if isinstance(rngs, jax.Array):
+            rngs = nnx.Rngs(dropout=rngs)
+        return bool(deterministic), rngs
+
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view``: sets ``deterministic`` when given."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    # ------------------------------------------------------------------------------------
+    # KV cache
+    # ------------------------------------------------------------------------------------
+
+    def init_cache(
+        self, batch_shape: int | tuple[int, ...] = 1, capacity: int | None = None, dtype=None
+    ) -> None:
+        """Creates an empty KV cache in every attention layer (and resets a filled one).
+
+        Args:
+          batch_shape: the batch dims of the token ids to decode (an int for one axis).
+          capacity: positions per row (prompt plus generated tokens), at most
+            ``context_length`` (the default). Each decoding step works over the whole
+            cache, so size it to what the run needs.
+          dtype: dtype of the cached keys and values; default the model's ``dtype``.
+        """
+        batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+        capacity = self.cfg.context_length if capacity is None else capacity
+        if (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, int)
+            or not 1 <= capacity <= self.cfg.context_length
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: capacity must be an int in [1, "
+                f"{self.cfg.context_length}] (cfg['context_length']), got {capacity!r}."
+            )
+        dtype = self.dtype if dtype is None else dtype
+        for block in self.trf_blocks:
+            block.att.init_cache((*batch_shape, capacity, self.cfg.emb_dim), dtype)
+
+    def cache_lengths(self) -> Array:
+        """Int ``[batch...]``: tokens already in the KV cache of each row."""
+        cache = getattr(self.trf_blocks[0].att, "cache", None)
+        if cache is None:
+            raise ValueError(
+                f"{type(self).__name__}: decode=True needs a KV cache; call "
+                "model.init_cache(batch_shape, capacity) first."
+            )
+        return cache.get_value().lengths
+
+    def decode_positions(self, num_tokens: int) -> Array:
+        """Int ``[batch..., T]``: where a chunk of ``T`` tokens sits, row by row.
+
+        Token ``t`` of row ``b`` is at ``cache_lengths()[b] + t``, capped at
+        ``context_length - 1``: a token beyond that never fits the cache (its capacity is
+        at most ``context_length``), so it is dropped and its output is not used.
+        """
+        positions = rope.positions_from_lengths(self.cache_lengths(), num_tokens)
+        return jnp.minimum(positions, self.cfg.context_length - 1)

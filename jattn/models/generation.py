@@ -1,0 +1,142 @@
+"""Text generation with the models' KV caches, compiled once.
+
+:func:`generate` is the book's ``generate`` (chapter 5: greedy at temperature 0, else
+temperature and top-k sampling) run through :func:`jattn.generate.generate`: one jitted
+program that feeds the prompt once (prefill) and then a ``lax.scan`` of one-token steps,
+each reading and extending the attention layers' caches. ``use_cache=False`` runs
+:func:`jattn.generate.generate_recompute` instead (a full forward pass per new token, the
+book's ``generate_text_simple``): the same tokens, for checking and timing.
+
+The model is passed to the jitted program as a pure function of its state:
+:class:`NNXDecodeFn` / :class:`NNXForwardFn` hold only the model's ``nnx.GraphDef``, so
+they compare equal for models of the same structure and a second call with the same
+shapes reuses the compiled program. The model itself is never modified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn import generate as jgen
+from jattn.models.base import LanguageModel
+
+__all__ = ["NNXDecodeFn", "NNXForwardFn", "generate"]
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXDecodeFn:
+    """``decode_fn(state, tokens, cache, num_new) -> (logits, cache)`` of a jattn model.
+
+    ``state`` is everything but the ``nnx.Cache`` variables, ``cache`` those; see
+    :func:`jattn.generate.generate`.
+    """
+
+    graphdef: Any
+
+    def __call__(self, state, tokens, cache, num_new):
+        model = nnx.merge(self.graphdef, cache, state)
+        logits = model(tokens, deterministic=True, decode=True, num_new=num_new)
+        return logits, nnx.state(model, nnx.Cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXForwardFn:
+    """``forward_fn(state, tokens) -> logits`` of a jattn model (no cache, no dropout)."""
+
+    graphdef: Any
+
+    def __call__(self, state, tokens):
+        return nnx.merge(self.graphdef, state)(tokens, deterministic=True)
+
+
+def _check_room(model: LanguageModel, prompt_len: int, max_new_tokens) -> int:
+    """Positions the run needs (prompt + new tokens - 1); a ValueError past the context."""
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    # The last new token is sampled but never fed back, so it takes no position.
+    needed = prompt_len + max_new_tokens - 1
+    context = model.cfg.context_length
+    if needed > context:
+        raise ValueError(
+            f"a prompt of {prompt_len} tokens and max_new_tokens={max_new_tokens} need "
+            f"{needed} positions, more than cfg['context_length'] = {context}. A KV cache "
+            "cannot slide past the context (the book's generate_text_simple crops the prompt "
+            f"instead): pass at most the last {max(context - max_new_tokens + 1, 1)} prompt "
+            "tokens, or ask for fewer new tokens."
+        )
+    return needed
+
+
+def generate(
+    model: LanguageModel,
+    token_ids,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    key: Array | None = None,
+    *,
+    prompt_lengths=None,
+    use_cache: bool = True,
+) -> Array:
+    """Generates ``max_new_tokens`` tokens after each prompt, with the KV cache.
+
+    Args:
+      model: a :class:`GPTModel`, :class:`Llama3Model` or :class:`Qwen3Model` (not
+        modified; dropout is off).
+      token_ids: int ``[batch, prompt_len]``, ids in ``[0, vocab_size)``; rows shorter than
+        ``prompt_len`` are right-padded (see ``prompt_lengths``).
+      max_new_tokens: tokens to generate per row (>= 1); ``prompt_len + max_new_tokens - 1``
+        must fit ``context_length``.
+      temperature: 0 (default): greedy, as the book's ``generate_text_simple``; otherwise
+        the book's chapter-5 sampling at this temperature.
+      top_k: sample only among the ``top_k`` largest logits (None: all).
+      key: ``jax.random`` key, required when ``temperature > 0`` (step ``i`` uses
+        ``fold_in(key, i)``).
+      prompt_lengths: int ``[batch]``, real tokens of each row; default ``prompt_len``.
+      use_cache: False reruns the whole sequence for every token (for comparison).
+
+    Returns:
+      int32 ``[batch, max_new_tokens]``: the continuation only (the book returns the prompt
+      and the continuation: ``jnp.concatenate([token_ids, out], axis=1)``).
+
+    Raises:
+      TypeError: a model that is not a jattn model, non-integer token ids.
+      ValueError: ids outside the vocabulary, a prompt that is not ``[batch, prompt_len]``,
+        a run longer than the context, bad sampling arguments.
+    """
+    if not isinstance(model, LanguageModel):
+        raise TypeError(
+            f"model must be a jattn.models model (GPTModel, Llama3Model, Qwen3Model), got "
+            f"{type(model).__name__}."
+        )
+    token_ids = model.check_token_ids(token_ids)
+    if token_ids.ndim != 2:
+        raise ValueError(
+            f"token_ids must have shape [batch, prompt_len] (the book's idx), got "
+            f"{token_ids.shape}; add a batch axis with token_ids[None]."
+        )
+    capacity = _check_room(model, token_ids.shape[1], max_new_tokens)
+    sampling = dict(max_new_tokens=max_new_tokens, key=key, temperature=temperature, top_k=top_k)
+    graphdef, state = nnx.split(model)
+    if not use_cache:
+        return jgen.generate_recompute(
+            NNXForwardFn(graphdef), state, token_ids, prompt_lengths, **sampling
+        )
+    # A copy of the model (sharing its arrays) gets a fresh cache sized to the run.
+    decoder = nnx.merge(graphdef, state)
+    decoder.init_cache(token_ids.shape[0], capacity)
+    graphdef, cache, state = nnx.split(decoder, nnx.Cache, ...)
+    return jgen.generate(
+        NNXDecodeFn(graphdef), state, cache, token_ids.astype(jnp.int32), prompt_lengths, **sampling
+    )

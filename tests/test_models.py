@@ -1,0 +1,695 @@
+"""jattn.models: the book's GPT-2, Llama 3 and Qwen3 on jattn's modules.
+
+References: a float64 numpy transcription of the book's forward passes
+(tests/_book_models_reference.py) always; the book's own PyTorch classes when torch and
+llms-from-scratch are installed (``@pytest.mark.torch``).
+
+Llama 3 and Qwen3 need ``MultiHeadAttention(rope=, qk_norm=, head_dim=, out_bias=)``
+(phase 2 of issue 18); their tests are marked ``phase2`` and skip until the module has
+those options. Phase 2 removes that skip.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _book_models_reference import (
+    book_state_dict_shapes,
+    gpt_forward,
+    llama3_forward,
+    qwen3_forward,
+    random_state_dict,
+)
+from flax import nnx
+
+from jattn import models
+from jattn import nnx as jnnx
+from jattn.models import generation
+
+GPT_CFG = dict(
+    vocab_size=97,
+    context_length=32,
+    emb_dim=32,
+    n_heads=4,
+    n_layers=2,
+    drop_rate=0.0,
+    qkv_bias=False,
+)
+LLAMA_CFG = dict(
+    vocab_size=97, context_length=64, emb_dim=32, n_heads=4, n_layers=2, hidden_dim=64, n_kv_groups=2,
+    rope_base=500_000.0, dtype="float32",
+    rope_freq={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context_length": 16},
+)  # fmt: skip
+QWEN_CFG = dict(
+    vocab_size=97, context_length=64, emb_dim=32, n_heads=4, n_layers=2, hidden_dim=64, head_dim=16,
+    qk_norm=True, n_kv_groups=2, rope_base=1_000_000.0, dtype="float32",
+)  # fmt: skip
+FORWARD = {"gpt2": gpt_forward, "llama3": llama3_forward, "qwen3": qwen3_forward}
+CFGS = {"gpt2": GPT_CFG, "llama3": LLAMA_CFG, "qwen3": QWEN_CFG}
+PROMPT = np.array([[3, 14, 15, 92, 65, 35], [89, 79, 32, 38, 46, 26]])
+
+PHASE2 = "rope" in inspect.signature(jnnx.MultiHeadAttention.__init__).parameters
+phase2 = pytest.mark.skipif(
+    not PHASE2,
+    reason="phase 2 of issue 18: MultiHeadAttention(rope=, qk_norm=, head_dim=, out_bias=)",
+)
+ARCHS = ["gpt2", pytest.param("llama3", marks=phase2), pytest.param("qwen3", marks=phase2)]
+
+
+def load(arch, cfg=None, seed=0):
+    cfg = CFGS[arch] if cfg is None else cfg
+    sd = random_state_dict(arch, cfg, seed)
+    return models.from_book(arch, cfg, sd), sd
+
+
+# ----------------------------------------------------------------------------------------
+# Logits against the float64 transcription of the book
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_the_books_forward_pass(arch):
+    model, sd = load(arch)
+    logits = model(PROMPT)
+    assert logits.shape == (2, 6, 97) and logits.dtype == jnp.float32
+    ref = FORWARD[arch](CFGS[arch], sd, PROMPT)
+    np.testing.assert_allclose(logits, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
+def test_gpt_with_qkv_bias_and_dropout_in_eval_mode():
+    cfg = {**GPT_CFG, "qkv_bias": True, "drop_rate": 0.1}
+    model, sd = load("gpt2", cfg)
+    model.eval()
+    np.testing.assert_allclose(model(PROMPT), gpt_forward(cfg, sd, PROMPT), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "arch,cfg",
+    [
+        pytest.param("llama3", {**LLAMA_CFG, "rope_freq": None, "n_kv_groups": 4}, marks=phase2),
+        pytest.param("llama3", {**LLAMA_CFG, "n_kv_groups": 1}, marks=phase2),
+        pytest.param("qwen3", {**QWEN_CFG, "qk_norm": False, "head_dim": None}, marks=phase2),
+    ],
+)
+def test_rope_models_in_other_settings(arch, cfg):
+    model, sd = load(arch, cfg)
+    np.testing.assert_allclose(model(PROMPT), FORWARD[arch](cfg, sd, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_any_number_of_batch_dims():
+    model, sd = load("gpt2")
+    ref = gpt_forward(GPT_CFG, sd, PROMPT)
+    np.testing.assert_allclose(model(PROMPT[0]), ref[0], atol=1e-4, rtol=0)
+    stacked = np.stack([PROMPT, PROMPT[::-1]])  # [2, 2, T]
+    out = model(stacked)
+    assert out.shape == (2, 2, 6, 97)
+    np.testing.assert_allclose(out[1], ref[::-1], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_gpt_runs_in_bfloat16_close_to_float32():
+    sd = random_state_dict("gpt2", GPT_CFG)
+    half = models.from_book("gpt2", GPT_CFG, sd, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    logits = half(PROMPT)
+    assert logits.dtype == jnp.bfloat16 and half.tok_emb.embedding.dtype == jnp.bfloat16
+    ref = gpt_forward(GPT_CFG, sd, PROMPT)
+    # bfloat16 weights and activations: ~3 significant digits
+    np.testing.assert_allclose(
+        np.asarray(logits, np.float32), ref, atol=0.05 * np.abs(ref).max(), rtol=0
+    )
+    half.init_cache(2, 8)
+    assert half.trf_blocks[0].att.cache.get_value().keys.dtype == jnp.bfloat16
+
+
+def test_jitted_model_equals_eager():
+    model, _ = load("gpt2")
+    eager = model(PROMPT)
+    jitted = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(PROMPT))
+    np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# Weight mapping
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parameters_map_one_to_one_onto_the_books_keys(arch):
+    model, _ = load(arch)
+    expected = book_state_dict_shapes(arch, CFGS[arch])
+    expected = {k: v for k, v in expected.items() if not k.endswith("att.mask")}
+    got = {k: shape for k, (_, shape, _) in models.book_keys(model).items()}
+    assert got == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_state_dict_round_trips(arch):
+    model, sd = load(arch)
+    back = models.to_book_state_dict(model)
+    assert set(back) == set(sd)
+    for key, value in sd.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+    again = models.from_book(arch, CFGS[arch], back)
+    np.testing.assert_array_equal(again(PROMPT), model(PROMPT))
+
+
+def test_bfloat16_arrays_load_and_cast():
+    sd = random_state_dict("gpt2", GPT_CFG)
+    half = {k: v.astype(jnp.bfloat16) for k, v in sd.items()}
+    model = models.from_book("gpt2", GPT_CFG, half)
+    assert model.tok_emb.embedding.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        model.tok_emb.embedding[...], half["tok_emb.weight"].astype(np.float32)
+    )
+
+
+@pytest.mark.parametrize(
+    "keys,arch",
+    [
+        (book_state_dict_shapes("gpt2", GPT_CFG), "gpt2"),
+        (
+            [
+                "tok_emb.weight",
+                "trf_blocks.0.ff.fc1.weight",
+                "trf_blocks.0.norm1.weight",
+                "final_norm.weight",
+            ],
+            "llama3",
+        ),
+        (
+            [
+                "tok_emb.weight",
+                "trf_blocks.0.ff.fc1.weight",
+                "trf_blocks.0.norm1.scale",
+                "final_norm.scale",
+            ],
+            "qwen3",
+        ),
+        (
+            [
+                "W_query.weight",
+                "W_key.weight",
+                "W_value.weight",
+                "out_proj.weight",
+                "out_proj.bias",
+            ],
+            "attention",
+        ),
+        (["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"], "huggingface"),
+        (["foo"], None),
+    ],
+)
+def test_detect_arch(keys, arch):
+    assert models.detect_arch(keys) == arch
+
+
+# ----------------------------------------------------------------------------------------
+# Dropout (GPT-2)
+# ----------------------------------------------------------------------------------------
+
+
+def test_dropout_needs_a_mode_and_follows_keys():
+    cfg = {**GPT_CFG, "drop_rate": 0.2}
+    model = models.GPTModel(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"drop_rate=0\.2 but no `deterministic`"):
+        model(PROMPT)
+    eval_out = model(PROMPT, deterministic=True)
+    a = model(PROMPT, deterministic=False, rngs=jax.random.key(1))
+    b = model(PROMPT, deterministic=False, rngs=jax.random.key(1))
+    c = model(PROMPT, deterministic=False, rngs=jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c) and not np.allclose(a, eval_out)
+    model.train()
+    d, e = model(PROMPT), model(PROMPT)  # the kept streams advance
+    assert not np.allclose(d, e)
+    model.eval()
+    np.testing.assert_array_equal(model(PROMPT), eval_out)
+
+
+def test_no_dropout_needs_no_mode():
+    model = models.GPTModel(GPT_CFG, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(model(PROMPT), model(PROMPT, deterministic=False))
+
+
+# ----------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_then_one_token_at_a_time_equals_the_full_pass(arch):
+    model, _ = load(arch)
+    full = model(PROMPT)
+    model.init_cache(2, 16)
+    steps = [model(PROMPT[:, :3], decode=True)]
+    steps += [model(PROMPT[:, t : t + 1], decode=True) for t in range(3, 6)]
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(model.cache_lengths(), [6, 6])
+    model.init_cache(2, 16)  # a reset
+    np.testing.assert_array_equal(model.cache_lengths(), [0, 0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_prefill_continues_each_row_after_its_own_tokens(arch):
+    model, _ = load(arch)
+    lengths = np.array([4, 6])
+    padded = np.where(np.arange(6) < lengths[:, None], PROMPT, 0)
+    model.init_cache(2, 16)
+    prefill = model(padded, decode=True, num_new=jnp.asarray(lengths))
+    nxt = np.array([[7], [8]])
+    step = model(nxt, decode=True)
+    for b, n in enumerate(lengths):
+        seq = np.concatenate([PROMPT[b, :n], nxt[b]])[None]
+        ref = model(seq)[0]
+        np.testing.assert_allclose(prefill[b, :n], ref[:n], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(step[b, 0], ref[n], atol=1e-5, rtol=0)
+
+
+def test_decode_without_a_cache_is_a_clear_error():
+    model, _ = load("gpt2")
+    with pytest.raises(ValueError, match=r"call model.init_cache"):
+        model(PROMPT, decode=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------
+
+
+def greedy_reference(arch, cfg, sd, prompt, n):
+    """The book's generate_text_simple on the numpy transcription."""
+    idx = np.asarray(prompt)
+    for _ in range(n):
+        logits = FORWARD[arch](cfg, sd, idx[:, -cfg["context_length"] :])
+        idx = np.concatenate([idx, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    return idx[:, prompt.shape[1] :]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_equals_the_books_loop_cached_or_not(arch):
+    model, sd = load(arch)
+    cached = models.generate(model, PROMPT, 12)
+    uncached = models.generate(model, PROMPT, 12, use_cache=False)
+    assert cached.shape == (2, 12) and cached.dtype == jnp.int32
+    np.testing.assert_array_equal(cached, uncached)
+    np.testing.assert_array_equal(cached, greedy_reference(arch, CFGS[arch], sd, PROMPT, 12))
+    assert not hasattr(model.trf_blocks[0].att, "cache")  # the model was not modified
+
+
+def test_sampling_is_fixed_by_the_key():
+    model, _ = load("gpt2")
+    a = models.generate(model, PROMPT, 12, temperature=1.5, key=jax.random.key(0))
+    b = models.generate(model, PROMPT, 12, temperature=1.5, key=jax.random.key(0))
+    c = models.generate(model, PROMPT, 12, temperature=1.5, key=jax.random.key(1))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    # top_k=1 leaves only the argmax to sample: greedy
+    np.testing.assert_array_equal(
+        models.generate(model, PROMPT, 12, temperature=1.5, top_k=1, key=jax.random.key(3)),
+        models.generate(model, PROMPT, 12),
+    )
+
+
+def test_ragged_prompts_generate_as_if_alone():
+    model, _ = load("gpt2")
+    lengths = np.array([3, 6])
+    padded = np.where(np.arange(6) < lengths[:, None], PROMPT, 0)
+    together = models.generate(model, padded, 5, prompt_lengths=jnp.asarray(lengths))
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(
+            together[b], models.generate(model, PROMPT[b : b + 1, :n], 5)[0]
+        )
+
+
+def test_generation_compiles_once(monkeypatch):
+    traces = []
+    original = generation.NNXDecodeFn.__call__
+
+    def counting(self, *args):
+        traces.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(generation.NNXDecodeFn, "__call__", counting)
+    model, _ = load("gpt2")
+    prompt = PROMPT[:, :5]  # shapes no other test uses, so the first call compiles
+    models.generate(model, prompt, 7)
+    first = len(traces)
+    assert first > 0
+    models.generate(model, prompt[::-1], 7)  # new tokens, same shapes
+    other, _ = load("gpt2", seed=1)  # new weights, same structure
+    models.generate(other, prompt, 7)
+    assert len(traces) == first
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------
+
+SD = random_state_dict("gpt2", GPT_CFG)
+
+
+def _without(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        # configs
+        (
+            lambda: models.GPTModel(_without(GPT_CFG, "qkv_bias"), rngs=nnx.Rngs(0)),
+            ValueError,
+            r"missing \['qkv_bias'\]",
+        ),
+        (
+            lambda: models.GPTModel({**GPT_CFG, "emb_size": 3}, rngs=nnx.Rngs(0)),
+            ValueError,
+            r"unknown \['emb_size'\]",
+        ),
+        (
+            lambda: models.Llama3Model(GPT_CFG, rngs=nnx.Rngs(0)),
+            ValueError,
+            "looks like a GPT-2 config.*arch='gpt2'",
+        ),
+        (
+            lambda: models.Qwen3Model({**QWEN_CFG, "num_experts": 8}, rngs=nnx.Rngs(0)),
+            ValueError,
+            "mixture-of-experts",
+        ),
+        (
+            lambda: models.GPTModel({**GPT_CFG, "n_heads": "4"}, rngs=nnx.Rngs(0)),
+            TypeError,
+            r"cfg\['n_heads'\] must be an int",
+        ),
+        (
+            lambda: models.GPTModel({**GPT_CFG, "n_heads": 5}, rngs=nnx.Rngs(0)),
+            ValueError,
+            r"cfg\['emb_dim'\] \(32\) must be divisible by cfg\['n_heads'\] \(5\)",
+        ),
+        (
+            lambda: models.GPTModel({**GPT_CFG, "drop_rate": 1.0}, rngs=nnx.Rngs(0)),
+            ValueError,
+            r"cfg\['drop_rate'\] must be in \[0, 1\)",
+        ),
+        (
+            lambda: models.GPTModel({**GPT_CFG, "qkv_bias": 1}, rngs=nnx.Rngs(0)),
+            TypeError,
+            r"cfg\['qkv_bias'\] must be True or False",
+        ),
+        (
+            lambda: models.GPTModel({**GPT_CFG, "vocab_size": 0}, rngs=nnx.Rngs(0)),
+            ValueError,
+            r"cfg\['vocab_size'\] must be >= 1",
+        ),
+        (lambda: models.GPTModel(GPT_CFG, rngs=0), TypeError, "rngs must be an nnx.Rngs"),
+        (
+            lambda: models.GPTModel(GPT_CFG, dtype=jnp.int32, rngs=nnx.Rngs(0)),
+            TypeError,
+            "dtype must be a float dtype",
+        ),
+        (lambda: models.GPTModel([1, 2], rngs=nnx.Rngs(0)), TypeError, "configuration dict"),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "n_kv_groups": 3}),
+            ValueError,
+            r"cfg\['n_heads'\] \(4\) must be a multiple of cfg\['n_kv_groups'\] \(3\)",
+        ),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "rope_freq": {"factor": 8.0}}),
+            ValueError,
+            r"cfg\['rope_freq'\].*missing",
+        ),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "rope_base": 0}),
+            ValueError,
+            r"cfg\['rope_base'\].*positive",
+        ),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "emb_dim": 36}),
+            ValueError,
+            "head dimension .9. must be even",
+        ),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "dtype": "int8"}),
+            TypeError,
+            r"cfg\['dtype'\] must be a float dtype",
+        ),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "dtype": object()}),
+            TypeError,
+            r"cfg\['dtype'\] must be a float dtype",
+        ),
+        (
+            lambda: models.config_from_book("llama3", {**LLAMA_CFG, "dtype": "float64"}),
+            ValueError,
+            "64-bit mode",
+        ),
+        (
+            lambda: models.config_from_book("qwen3", {**QWEN_CFG, "head_dim": 0}),
+            ValueError,
+            r"cfg\['head_dim'\] must be >= 1",
+        ),
+        (
+            lambda: models.config_from_book("qwen3", {**QWEN_CFG, "qk_norm": None}),
+            TypeError,
+            r"cfg\['qk_norm'\] must be True or False",
+        ),
+        (lambda: models.config_from_book("gpt3", GPT_CFG), ValueError, "arch must be one of"),
+        # state dicts
+        (
+            lambda: models.from_book("gpt", GPT_CFG, SD),
+            ValueError,
+            r"arch must be one of \['gpt2', 'llama3', 'qwen3'\]",
+        ),
+        (
+            lambda: models.from_book("gpt2", GPT_CFG, list(SD.items())),
+            TypeError,
+            "state_dict must be a mapping",
+        ),
+        (
+            lambda: models.from_book("gpt2", GPT_CFG, random_state_dict("llama3", LLAMA_CFG)),
+            ValueError,
+            r"looks like a Llama 3 state dict .*from_book\('llama3'",
+        ),
+        (lambda: models.from_book("llama3", LLAMA_CFG, SD), ValueError, "looks like a GPT-2"),
+        (
+            lambda: models.from_book("qwen3", QWEN_CFG, random_state_dict("llama3", LLAMA_CFG)),
+            ValueError,
+            "looks like a Llama 3",
+        ),
+        (
+            lambda: models.from_book("gpt2", GPT_CFG, {"W_query.weight": np.ones((2, 3))}),
+            ValueError,
+            "single chapter-3 attention module.*from_torch_state_dict",
+        ),
+        (
+            lambda: models.from_book(
+                "gpt2", GPT_CFG, {"model.embed_tokens.weight": np.ones((2, 3))}
+            ),
+            ValueError,
+            "Hugging Face keys",
+        ),
+        (
+            lambda: models.from_book(
+                "gpt2", GPT_CFG, _without(SD, "trf_blocks.1.ff.layers.2.bias")
+            ),
+            ValueError,
+            r"missing key 'trf_blocks.1.ff.layers.2.bias'",
+        ),
+        (
+            lambda: models.from_book("gpt2", GPT_CFG, _without(SD, "out_head.weight")),
+            ValueError,
+            r"missing key 'out_head.weight'",
+        ),
+        (
+            lambda: models.from_book("gpt2", {**GPT_CFG, "n_layers": 1}, SD),
+            ValueError,
+            r"unexpected key 'trf_blocks.1.*more blocks than cfg\['n_layers'\] = 1",
+        ),
+        (
+            lambda: models.from_book("gpt2", {**GPT_CFG, "n_layers": 3}, SD),
+            ValueError,
+            r"missing key 'trf_blocks.2.*cfg\['n_layers'\]",
+        ),
+        (
+            lambda: models.from_book("gpt2", {**GPT_CFG, "qkv_bias": True}, SD),
+            ValueError,
+            r"missing key 'trf_blocks.0.att.W_\w+.bias' \(and 5 more\).*cfg\['qkv_bias'\] \(it is True\)",
+        ),
+        (
+            lambda: models.from_book(
+                "gpt2", GPT_CFG, {**SD, "trf_blocks.0.att.W_key.bias": np.zeros(32)}
+            ),
+            ValueError,
+            r"unexpected key 'trf_blocks.0.att.W_key.bias'.*qkv_bias",
+        ),
+        (
+            lambda: models.from_book("gpt2", {**GPT_CFG, "vocab_size": 98}, SD),
+            ValueError,
+            r"state_dict\['tok_emb.weight'\] has shape \(97, 32\), but the config gives \(98, 32\)",
+        ),
+        (
+            lambda: models.from_book(
+                "gpt2", GPT_CFG, {**SD, "trf_blocks.0.att.W_query.weight": np.ones((32, 16))}
+            ),
+            ValueError,
+            r"W_query.weight'\] has shape \(32, 16\), but the config gives \(32, 32\)",
+        ),
+        (
+            lambda: models.from_book("gpt2", GPT_CFG, {**SD, "final_norm.scale": np.ones(32, int)}),
+            TypeError,
+            r"state_dict\['final_norm.scale'\] must hold floats",
+        ),
+        (
+            lambda: models.from_book(
+                "gpt2", GPT_CFG, {**SD, "final_norm.scale": np.full(32, np.nan)}
+            ),
+            ValueError,
+            "NaN or Inf",
+        ),
+        (
+            lambda: models.to_book_state_dict(
+                jnnx.MultiHeadAttention(4, 4, 4, 0.0, 2, rngs=nnx.Rngs(0))
+            ),
+            TypeError,
+            "jattn.models model",
+        ),
+    ],
+)
+def test_bad_config_or_state_dict_is_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+GPT = models.GPTModel(GPT_CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (
+            lambda: GPT(np.array([[1, 97]])),
+            ValueError,
+            r"token_ids must be in \[0, 97\).*from 1 to 97",
+        ),
+        (lambda: GPT(np.array([[-1, 3]])), ValueError, r"token_ids must be in \[0, 97\)"),
+        (
+            lambda: GPT(np.ones((1, 33), int)),
+            ValueError,
+            r"33 tokens .* cfg\['context_length'\] is 32",
+        ),
+        (lambda: GPT(np.ones((1, 3))), TypeError, "token_ids must be integer"),
+        (lambda: GPT(np.ones((1, 0), int)), ValueError, "num_tokens >= 1"),
+        (
+            lambda: models.generate(GPT, np.array([[1, 200]]), 3),
+            ValueError,
+            r"token_ids must be in \[0, 97\)",
+        ),
+        (
+            lambda: models.generate(GPT, np.ones((1, 20), int), 14),
+            ValueError,
+            r"need 33 positions, more than cfg\['context_length'\] = 32",
+        ),
+        (
+            lambda: models.generate(GPT, np.ones(5, int), 3),
+            ValueError,
+            r"\[batch, prompt_len\].*token_ids\[None\]",
+        ),
+        (lambda: models.generate(GPT, PROMPT, 0), ValueError, "max_new_tokens must be an int >= 1"),
+        (
+            lambda: models.generate(GPT, PROMPT, 3, temperature=1.0),
+            ValueError,
+            "needs a random key",
+        ),
+        (lambda: models.generate(object(), PROMPT, 3), TypeError, "jattn.models model"),
+    ],
+)
+def test_bad_tokens_are_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# ----------------------------------------------------------------------------------------
+# Against the book's own PyTorch models
+# ----------------------------------------------------------------------------------------
+
+
+def _book_model(arch, cfg):
+    torch = pytest.importorskip("torch")
+    if arch == "gpt2":
+        from llms_from_scratch.ch04 import GPTModel as Book
+    elif arch == "llama3":
+        from llms_from_scratch.llama3 import Llama3Model as Book
+    else:
+        from llms_from_scratch.qwen3 import Qwen3Model as Book
+    if arch != "gpt2":
+        cfg = {**cfg, "dtype": torch.float32}
+    torch.manual_seed(123)
+    model = Book(cfg)
+    model.eval()
+    return torch, model, cfg
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_books_pytorch_model_loads_and_agrees(arch):
+    pytest.importorskip("llms_from_scratch")
+    torch, book, cfg = _book_model(
+        arch, {**CFGS[arch], "drop_rate": 0.1} if arch == "gpt2" else CFGS[arch]
+    )
+    model = models.from_book(arch, cfg, book.state_dict())
+    model.eval()
+    with torch.no_grad():
+        ref = book(torch.from_numpy(PROMPT)).numpy()
+    np.testing.assert_allclose(model(PROMPT), ref, atol=1e-4, rtol=0)
+
+    from llms_from_scratch.ch04 import generate_text_simple
+
+    idx = generate_text_simple(book, torch.from_numpy(PROMPT), 12, cfg["context_length"]).numpy()
+    np.testing.assert_array_equal(models.generate(model, PROMPT, 12), idx[:, PROMPT.shape[1] :])
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("arch", ARCHS)
+def test_saved_weights_load_strictly_into_the_books_model(arch):
+    pytest.importorskip("llms_from_scratch")
+    torch, book, _ = _book_model(arch, CFGS[arch])
+    model, _ = load(arch)
+    book.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in models.to_book_state_dict(model).items()}
+    )
+    with torch.no_grad():
+        ref = book(torch.from_numpy(PROMPT)).numpy()
+    np.testing.assert_allclose(model(PROMPT), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.torch
+def test_bfloat16_torch_tensors_load():
+    torch = pytest.importorskip("torch")
+    sd = {
+        k: torch.from_numpy(v).to(torch.bfloat16)
+        for k, v in random_state_dict("gpt2", GPT_CFG).items()
+    }
+    model = models.from_book("gpt2", GPT_CFG, sd)
+    np.testing.assert_array_equal(
+        model.out_head.kernel[...], sd["out_head.weight"].float().numpy().T
+    )
+
+
+@pytest.mark.torch
+def test_the_books_full_size_configs_parse():
+    torch = pytest.importorskip("torch")
+    llama3 = pytest.importorskip("llms_from_scratch.llama3")
+    qwen3 = pytest.importorskip("llms_from_scratch.qwen3")
+    for cfg, head_dim in ((llama3.LLAMA32_CONFIG_1B, 64), (llama3.LLAMA32_CONFIG_3B, 128)):
+        parsed = models.config_from_book("llama3", cfg)
+        assert parsed.dtype == jnp.bfloat16 and parsed.head_dim == head_dim
+        assert parsed.rope_freq.to_book() == cfg["rope_freq"]
+    parsed = models.config_from_book("qwen3", qwen3.QWEN_CONFIG_06_B)
+    assert (parsed.head_dim, parsed.qk_norm, parsed.n_kv_groups) == (128, True, 8)
+    assert (
+        models.config_from_book("qwen3", {**qwen3.QWEN3_CONFIG_8B, "dtype": torch.float32}).dtype
+        == jnp.float32
+    )
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        models.config_from_book("qwen3", qwen3.QWEN3_CONFIG_30B_A3B)
