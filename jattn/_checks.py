@@ -170,8 +170,7 @@ def implementation(value, name: str = "implementation") -> None:
         names = ", ".join(repr(n) for n in IMPLEMENTATIONS)
         raise ValueError(
             f"{name} must be None (automatic) or one of {names}, got {value!r}. 'dense' (alias "
-            "'xla') is the one that also supports forward-mode autodiff (jax.jvp, jax.jacfwd) "
-            "at every length."
+            "'xla') supports every transformation, forward-mode autodiff included."
         )
 
 

@@ -31,7 +31,7 @@ AUTO_DENSE_MAX_SCORES = 4096 * 4096
 class Route(NamedTuple):
     """How to refuse and how to run one implementation."""
 
-    obstacle: Callable[..., str | None]  # (q, k, ops, settings, extras) -> reason or None
+    obstacle: Callable[..., str | None]  # (q, k, v, ops, settings, extras) -> reason or None
     run: Callable[..., tuple]  # (q, k, v, ops, settings, extras) -> (out, weights, residual)
 
 
@@ -39,7 +39,10 @@ def _dense_run(query, key, value, ops, settings, extras):
     return dense.attention(query, key, value, ops, settings, extras)
 
 
-def _blockwise_obstacle(query, key, ops: Operands, settings: Settings, extras: DenseExtras):
+def _blockwise_obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
+    autodiff = blockwise.autodiff_obstacle(query, key, value)
+    if autodiff is not None:
+        return autodiff
     needed = extras.needed()
     if needed is not None:
         return needed
@@ -55,7 +58,7 @@ def _blockwise_run(query, key, value, ops, settings, extras):
     return out, None, lse
 
 
-def _cudnn_obstacle(query, key, ops, settings, extras):
+def _cudnn_obstacle(query, key, value, ops, settings, extras):
     backend = jax.default_backend()
     if backend != "gpu":
         return f"jax's cuDNN kernel runs on NVIDIA GPUs only (the backend here is {backend!r})"
@@ -70,7 +73,7 @@ ROUTES: dict[str, Route] = {
 ALIASES = {"xla": "dense"}  # jax.nn's names
 
 
-def choose(implementation, query, key, ops, settings, extras) -> str:
+def choose(implementation, query, key, value, ops, settings, extras) -> str:
     """The implementation that runs the call (raises if an explicit one cannot honour it)."""
     _checks.implementation(implementation)
     if implementation is not None:
@@ -79,7 +82,7 @@ def choose(implementation, query, key, ops, settings, extras) -> str:
         reason = (
             f"{name!r} is not available in this version of jattn"
             if route is None
-            else route.obstacle(query, key, ops, settings, extras)
+            else route.obstacle(query, key, value, ops, settings, extras)
         )
         if reason is not None:
             raise ValueError(
@@ -87,7 +90,7 @@ def choose(implementation, query, key, ops, settings, extras) -> str:
                 "implementation='dense' or None (automatic)."
             )
         return name
-    if ROUTES["blockwise"].obstacle(query, key, ops, settings, extras) is not None:
+    if ROUTES["blockwise"].obstacle(query, key, value, ops, settings, extras) is not None:
         return "dense"
     q_len, kv_len = query.shape[-3], key.shape[-3]
     if jax.default_backend() == "cpu":
@@ -97,5 +100,5 @@ def choose(implementation, query, key, ops, settings, extras) -> str:
 
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):
     """Runs the call on the chosen implementation: ``(out, weights, residual)``."""
-    name = choose(implementation, query, key, ops, settings, extras)
+    name = choose(implementation, query, key, value, ops, settings, extras)
     return ROUTES[name].run(query, key, value, ops, settings, extras)

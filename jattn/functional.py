@@ -192,8 +192,9 @@ def dot_product_attention(
     * ``'blockwise'`` (FlashAttention-style, :mod:`jattn.blockwise`): streams the softmax
       over key blocks, never computes a tile that the causal / window / length /
       segment masks or an all-False tile of ``mask`` hide, and recomputes the tiles in a
-      custom backward pass; memory grows as ``q_len + kv_len``. It has a custom VJP, so
-      forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) needs ``'dense'``.
+      custom backward pass; memory grows as ``q_len + kv_len``. Its custom VJP serves
+      reverse mode and forward-over-reverse (``jax.hessian``), not ``jax.jvp`` /
+      ``jax.jacfwd`` of the call itself nor ``jax.grad`` of ``jax.grad``.
     * ``'cudnn'``: jax's cuDNN flash attention, on NVIDIA GPUs only.
 
     ``implementation=None`` (automatic) picks ``'dense'`` when the call needs the weight
@@ -201,7 +202,9 @@ def dot_product_attention(
     ``scale`` or uses flax's einsum hooks; otherwise, on CPU, ``'blockwise'`` when ``q_len``
     and ``kv_len`` are both at least 256 (where it measured faster, ``benchmarks/results.md``),
     and on other backends ``'blockwise'`` only when ``q_len * kv_len >= 4096**2`` (memory).
-    Forward-mode autodiff at those lengths needs ``implementation='dense'``.
+    Under forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) or nested reverse mode traced
+    around the call, it picks ``'dense'``; only ``jax.jvp(jax.jit(f))``, whose jit was traced
+    beforehand, hides the transformation: pass ``implementation='dense'`` there.
 
     Args:
       query: ``[batch..., q_len, num_heads, head_dim]``.

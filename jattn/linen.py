@@ -49,9 +49,9 @@ Conventions shared by every class:
   row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
   ValueError in eager calls; under jit see :mod:`jattn.kvcache`.
 * ``attention_implementation`` (every class): the core's ``implementation``. The default
-  (None) picks the blockwise path on CPU from 256 tokens; it has a custom VJP, so
-  forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) of a module needs
-  ``attention_implementation='dense'``.
+  (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
+  forward-mode autodiff; ``jax.jvp`` of an already jitted apply needs
+  ``attention_implementation='dense'`` (see :func:`jattn.dot_product_attention`).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ class _Projections(nn.Module):
     bias_init: Initializer = default_bias_init
     """Initializer of every bias."""
     attention_implementation: str | None = None
-    """``implementation`` of :func:`jattn.dot_product_attention`: None (automatic),
-    ``'dense'`` (needed for forward-mode autodiff, ``jax.jvp``/``jax.jacfwd``, at lengths
+    """``implementation`` of :func:`jattn.dot_product_attention`: None (automatic), or a
+    name such as ``'dense'`` (needed for ``jax.jvp`` of an already jitted apply at lengths
     where the automatic rule picks blockwise) or ``'blockwise'``."""
 
     def __post_init__(self):

@@ -48,8 +48,8 @@ Conventions shared by every class:
   are real (ragged prompts, right-padded). Overflowing the capacity is a ValueError in
   eager calls; under jit see :mod:`jattn.kvcache`.
 * ``attention_implementation=`` (every class): the core's ``implementation``. The default
-  (None) picks the blockwise path on CPU from 256 tokens; it has a custom VJP, so
-  forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) of a module needs ``'dense'``.
+  (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
+  forward-mode autodiff; ``jax.jvp`` of an already jitted call needs ``'dense'``.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class SelfAttentionV1(_Attention):
       param_dtype: parameter dtype.
       precision: ``jax.lax.Precision`` of the matmuls.
       attention_implementation: ``implementation`` of :func:`jattn.dot_product_attention`
-        (None: automatic; ``'dense'`` for forward-mode autodiff at long lengths).
+        (None: automatic; ``'dense'`` for ``jax.jvp`` of an already jitted call).
       kernel_init: default ``uniform(1.0)``, i.e. U[0, 1) as the book's ``torch.rand``.
       rngs: ``nnx.Rngs`` for the initialization (its ``params`` stream).
     """

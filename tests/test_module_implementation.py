@@ -1,10 +1,11 @@
-"""attention_implementation on the Linen and NNX modules: forcing the core's dense path.
+"""attention_implementation on the Linen and NNX modules, and autodiff on the default path.
 
 At 256 tokens on CPU the automatic rule picks the blockwise path, which has a custom VJP:
-reverse-mode works, forward-mode (jax.jvp) does not. attention_implementation='dense'
-makes forward-mode work and must not change the function: the same outputs, and a
-Jacobian-vector product consistent with the blockwise path's vector-Jacobian product
-(<u, J v> == <Jᵀ u, v>).
+reverse mode only. Under forward-mode autodiff (jax.jvp) the automatic rule sees the
+transformation and uses the dense path instead; attention_implementation='blockwise'
+refuses it with a clear error, and 'dense' always works. None of this may change the
+function: the same outputs, and a Jacobian-vector product consistent with the blockwise
+path's vector-Jacobian product (<u, J v> == <Jᵀ u, v>).
 """
 
 import jax
@@ -43,11 +44,14 @@ def test_dense_enables_forward_mode_and_agrees_with_blockwise(api, kind, rng, ba
     v = jnp.asarray(rng.normal(size=x.shape), jnp.float32)  # input tangent
     auto, dense, blockwise = (_forward(api, kind, impl) for impl in (None, "dense", "blockwise"))
 
-    # The default is the blockwise path here: reverse mode only.
-    with pytest.raises(TypeError, match=r"forward-mode autodiff .* implementation=.dense."):
-        jax.jvp(auto, (x,), (v,))
+    # Forced onto the blockwise path, forward mode is refused with the fix in the message.
+    with pytest.raises(ValueError, match=r"forward-mode autodiff .* implementation='dense'"):
+        jax.jvp(blockwise, (x,), (v,))
 
     y_dense, jv = jax.jvp(dense, (x,), (v,))
+    # The automatic rule sees jax.jvp and takes the dense path: the same JVP.
+    _, jv_auto = jax.jvp(auto, (x,), (v,))
+    np.testing.assert_allclose(jv_auto, jv, rtol=1e-6, atol=1e-6)
     y_auto, vjp = jax.vjp(auto, x)
     np.testing.assert_allclose(y_dense, y_auto, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(blockwise(x), y_auto, rtol=0, atol=0)
