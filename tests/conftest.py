@@ -14,6 +14,11 @@ from jattn import book
 # (pyproject.toml's filterwarnings).
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# The CI leg with the optional references installed (.ci/run) must not skip their tests.
+if os.environ.get("JATTN_REQUIRE_REFERENCES") == "1":
+    import llms_from_scratch  # noqa: F401
+    import torch  # noqa: F401
+
 # Deterministic property tests in CI (and by default); `HYPOTHESIS_PROFILE=dev` explores more.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=25, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=200)
