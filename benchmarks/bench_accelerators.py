@@ -5,10 +5,9 @@ forward and forward+backward (the gradient of ``out.sum()`` w.r.t. q, k and v). 
 candidates:
 
 * ``jattn.dot_product_attention(..., implementation=NAME)`` for NAME in ``None``
-  (automatic), ``'dense'``, ``'blockwise'``, ``'cudnn'``, ``'pallas_triton'``, ``'splash'``;
-  a name jattn does not know yet (the kernels before the routing table lists them) falls
-  back to calling its adapter in :mod:`jattn.kernels` directly, and says so; a call the
-  implementation refuses is listed with the reason, never timed;
+  (automatic: on a GPU, cuDNN where it honours the call), ``'dense'``, ``'blockwise'``,
+  ``'cudnn'``, ``'pallas_triton'``, ``'splash'``; a call the implementation refuses is
+  listed with the reason, never timed;
 * ``jax.nn.dot_product_attention`` with ``implementation='xla'`` and ``'cudnn'``;
 * on a GPU, bfloat16 forward only: jax's Pallas Mosaic GPU (Hopper) kernel, raw (it has
   no causal backward, so it cannot serve jattn's training calls; listed for reference).
@@ -35,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import math
 import os
 import platform
 import random
@@ -51,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from anywhere: import this checkout's jattn
 
 import jattn  # noqa: E402
-from jattn import kernels  # noqa: E402
+from jattn import _routing, kernels  # noqa: E402
 
 JATTN_NAMES = (None, "dense", "blockwise", "cudnn", "pallas_triton", "splash")
 DENSE_LIKE = ("jattn dense", "jax.nn xla")  # build the [T, T] logits
@@ -88,41 +86,20 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _adapter_call(name: str, q, k, v) -> tuple[Callable | None, str]:
-    """The kernel adapter called directly (before jattn's routing lists it), or a refusal."""
-    module = kernels.adapter(name)
-    backend = jax.default_backend()
-    interpret = kernels.interpret_requested() and not module.available(backend)
-    reason = module.obstacle(
-        backend=backend,
-        interpret=interpret,
-        q_shape=q.shape,
-        kv_shape=k.shape,
-        dtype=q.dtype,
-        is_causal=True,
-        window=None,
-        has_mask=False,
-        has_bias=False,
-        has_lengths=False,
-        has_segments=False,
-        dropout=False,
-        return_weights=False,
-        softcap=None,
-    )
-    if reason is not None:
-        return None, f"refused: {reason}"
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def routed_to(fn: Callable, q, k, v) -> list[str]:
+    """The implementations jattn's routing table picks while tracing ``fn`` (no computation)."""
+    chosen, real = [], _routing.choose
 
-    def fn(q, k, v):
-        out, _ = module.attention(
-            q, k, v, scale=scale, is_causal=True, window=None, q_lengths=None,
-            kv_lengths=None, q_segments=None, kv_segments=None, softcap=None,
-            interpret=interpret,
-        )  # fmt: skip
-        return out
+    def spy(*args):
+        chosen.append(real(*args))
+        return chosen[-1]
 
-    note = "adapter called directly (implementation= not routed yet)"
-    return fn, note + (", interpret mode" if interpret else "")
+    _routing.choose = spy
+    try:
+        jax.eval_shape(fn, q, k, v)
+    finally:
+        _routing.choose = real
+    return chosen
 
 
 def jattn_candidate(name: str | None, q, k, v) -> tuple[str, Callable | None, str]:
@@ -133,14 +110,15 @@ def jattn_candidate(name: str | None, q, k, v) -> tuple[str, Callable | None, st
         return jattn.dot_product_attention(q, k, v, is_causal=True, implementation=name)
 
     try:
-        jax.eval_shape(fn, q, k, v)  # argument checks and routing, no computation
+        chosen = routed_to(fn, q, k, v)  # argument checks and routing, no computation
     except (ValueError, TypeError, NotImplementedError) as error:
-        unknown = name in kernels.KERNELS and "cannot honour" not in str(error)
-        if unknown:
-            direct, note = _adapter_call(name, q, k, v)
-            return label, direct, note
         return label, None, f"refused: {_short(error)}"
-    return label, fn, ""
+    note = "" if name is not None else f"routed to {', '.join(chosen)}"
+    if name in ("pallas_triton", "splash") and kernels.interpret_requested():
+        module = kernels.adapter(name)
+        if not module.available(jax.default_backend()):
+            note = "interpret mode"
+    return label, fn, note
 
 
 def peer_candidates(q, mode: str) -> list[tuple[str, Callable | None, str]]:

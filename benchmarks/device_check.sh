@@ -2,12 +2,15 @@
 # The accelerator check in one command (issue 16), on a machine with a GPU:
 #
 #   1. the kernel conformance suite on the device (tests/test_kernels.py: cuDNN and the
-#      Pallas Triton kernel natively, against float64 numpy and jattn's dense path; splash
-#      is a TPU kernel, checked in interpret mode by CI on CPU, so it is left out here);
+#      Pallas Triton kernel natively, their adapters and through jattn.dot_product_attention
+#      (implementation=NAME, and None: the automatic rule must run cuDNN), against float64
+#      numpy and jattn's dense path; splash is a TPU kernel, checked in interpret mode by CI
+#      on CPU, so it is left out here);
 #   2. train_toy.py --platform gpu (the causal-vs-leaky table);
 #   3. benchmarks/bench_accelerators.py (forward and forward+backward, float32 and bfloat16,
-#      causal, T = 1k..32k, B=4 H=16 D=128: every jattn implementation against jax.nn's XLA
-#      and cuDNN attention, with compiled memory), given whatever time is left.
+#      causal, T = 1k..32k, B=4 H=16 D=128: jattn.dot_product_attention(implementation=NAME)
+#      for every name, None included, against jax.nn's XLA and cuDNN attention, with
+#      compiled memory), given whatever time is left.
 #
 # Usage:
 #   bash benchmarks/device_check.sh [OUTDIR]            # default OUTDIR: benchmarks/device_check

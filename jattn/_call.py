@@ -31,7 +31,8 @@ class Operands(NamedTuple):
       q_lengths: int32 ``[batch...]``: queries at or past it are padding (zero output).
       kv_lengths: int32 ``[batch...]``: keys at or past it are hidden.
       q_segments: int32 ``[batch..., Tq]``: a query sees only keys of its segment.
-      kv_segments: int32 ``[batch..., Tk]`` (given whenever ``q_segments`` is).
+      kv_segments: int32 ``[batch..., Tk]`` (given whenever ``q_segments`` is; the same
+        object as ``q_segments`` when the caller gave one id array for both).
       dropout_rate: drop probability (a float, or a traced scalar).
       dropout_rng: a ``jax.random`` key, or None when dropout is off.
     """

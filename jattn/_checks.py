@@ -362,7 +362,11 @@ def seq_lengths(value, name: str, batch_shape: tuple[int, ...], limit: int) -> A
 def segment_ids(
     query_ids, kv_ids, batch_shape: tuple[int, ...], q_len: int, kv_len: int
 ) -> tuple[Array | None, Array | None]:
-    """Segment ids of queries and keys, ``[batch..., length]`` ints (keys default to queries)."""
+    """Segment ids of queries and keys, ``[batch..., length]`` ints (keys default to queries).
+
+    When the key/value ids default to the query ids (or are the same object), the second
+    result *is* the first.
+    """
     if kv_ids is not None and query_ids is None:
         raise ValueError(
             "key_value_segment_ids needs query_segment_ids too (the segment of each query)."
@@ -388,4 +392,6 @@ def segment_ids(
                 f"got {ids.shape}."
             )
         out.append(ids.astype(jnp.int32))
-    return out[0], out[1]
+    # Self-attention ids come back as one object: kernels that take a single id array (the
+    # Pallas Triton kernel) tell them from separate key/value ids by identity.
+    return out[0], (out[0] if kv_ids is query_ids else out[1])

@@ -3,7 +3,17 @@
 Each implementation has a *route*: a function saying why it cannot honour a call (None
 when it can) and a function running it. An explicit ``implementation=`` that cannot
 honour the call raises a ValueError with that reason; the automatic rule (``None``)
-picks, per backend, the fastest route that can.
+walks :data:`AUTO`, the candidates of the backend in order, and takes the first that
+pays off at these lengths and can honour the call (``'dense'`` honours every call).
+
+The accelerator kernels (``'cudnn'``, ``'pallas_triton'``, ``'splash'``) are routed
+through their adapters in :mod:`jattn.kernels`: the route translates the validated call
+into the adapter's static question (``obstacle``), adds what only jattn knows
+(``return_residual`` needs a log-sum-exp, flax's einsum hooks and an explicit matmul
+``precision`` need jattn's own einsums), and turns the kernel's lse into jattn's
+residual. The Pallas kernels run off their own hardware only in interpret mode, and only
+when asked for by name with ``JATTN_PALLAS_INTERPRET=1``; the automatic rule never picks
+interpret mode (no CPU candidate is a kernel).
 """
 
 from __future__ import annotations
@@ -13,8 +23,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
-from jattn import _checks, blockwise, dense
+from jattn import _checks, blockwise, dense, kernels
 from jattn._call import DenseExtras, Operands, Settings
 
 Array = jax.Array
@@ -26,6 +37,9 @@ Array = jax.Array
 # AUTO_DENSE_MAX_SCORES elements.
 AUTO_MIN_LEN = 256
 AUTO_DENSE_MAX_SCORES = 4096 * 4096
+# Splash pads both lengths to a multiple of 128 (the TPU lane width): a shorter query
+# block is mostly padding, and XLA's dense path is as good there.
+SPLASH_MIN_Q_LEN = 128
 
 
 class Route(NamedTuple):
@@ -39,7 +53,7 @@ def _dense_run(query, key, value, ops, settings, extras):
     return dense.attention(query, key, value, ops, settings, extras)
 
 
-def _blockwise_obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
+def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: DenseExtras):
     autodiff = blockwise.autodiff_obstacle(query, key, value)
     if autodiff is not None:
         return autodiff
@@ -58,44 +72,182 @@ def _blockwise_run(query, key, value, ops, settings, extras):
     return out, None, lse
 
 
-def _cudnn_obstacle(query, key, value, ops, settings, extras):
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return f"jax's cuDNN kernel runs on NVIDIA GPUs only (the backend here is {backend!r})"
-    return "the cuDNN route is not available in this version of jattn"
+# ----------------------------------------------------------------------------------------
+# The accelerator kernels
+# ----------------------------------------------------------------------------------------
+
+
+def _interpret(module) -> bool:
+    """Interpret mode: asked for (``JATTN_PALLAS_INTERPRET``) and off the kernel's hardware."""
+    return kernels.interpret_requested() and not module.available(jax.default_backend())
+
+
+def _default_precision(precision) -> bool:
+    """True for None / ``Precision.DEFAULT`` (or a pair of them): what the kernels compute."""
+    if isinstance(precision, (tuple, list)):
+        return all(_default_precision(p) for p in precision)
+    if precision is None:
+        return True
+    try:
+        return jax.lax.Precision(precision) == jax.lax.Precision.DEFAULT
+    except (TypeError, ValueError):  # a DotAlgorithm or another explicit choice
+        return False
+
+
+def _kernel_obstacle(name: str):
+    def obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
+        module = kernels.adapter(name)
+        reason = module.obstacle(
+            backend=jax.default_backend(),
+            interpret=_interpret(module),
+            q_shape=query.shape,
+            kv_shape=key.shape,
+            dtype=query.dtype,
+            is_causal=settings.is_causal,
+            window=settings.window,
+            has_mask=ops.mask is not None,
+            has_bias=ops.bias is not None,
+            has_lengths=ops.q_lengths is not None or ops.kv_lengths is not None,
+            has_segments=ops.q_segments is not None,
+            separate_kv_segments=ops.kv_segments is not ops.q_segments,
+            dropout=ops.dropout_rng is not None,
+            return_weights=extras.return_weights or extras.module is not None,
+            softcap=None,
+            v_head_dim=value.shape[-1],
+            traced_scale=isinstance(ops.scale, jax.core.Tracer),
+        )
+        if reason is None:
+            reason = extras.needed()  # flax's einsum hooks
+        if reason is None and settings.return_residual and not module.RETURNS_LSE:
+            reason = f"return_residual=True ({name} does not return its log-sum-exp)"
+        if reason is None and not _default_precision(settings.precision):
+            reason = f"precision={settings.precision!r} (the kernel picks its own matmul precision)"
+        return reason
+
+    return obstacle
+
+
+def _kernel_run(name: str):
+    def run(query, key, value, ops: Operands, settings: Settings, extras):
+        module = kernels.adapter(name)
+        interpret = _interpret(module)
+
+        def attend(q, k, v):
+            return module.attention(
+                q,
+                k,
+                v,
+                scale=ops.scale,
+                is_causal=settings.is_causal,
+                window=settings.window,
+                q_lengths=ops.q_lengths,
+                kv_lengths=ops.kv_lengths,
+                q_segments=ops.q_segments,
+                kv_segments=ops.kv_segments,
+                softcap=None,
+                interpret=interpret,
+            )
+
+        out, lse = attend(query, key, value)
+        if not settings.return_residual:
+            return out, None, None
+        lse = _lse_with_gradient(attend, query, key, lse, ops.scale)
+        return out, None, jnp.swapaxes(lse, -1, -2)  # [batch..., H, Tq] -> [batch..., Tq, H]
+
+    return run
+
+
+def _lse_with_gradient(attend, query, key, lse, scale) -> Array:
+    """The kernel's lse ``[batch..., H, Tq]`` (values, no gradient) made differentiable.
+
+    With weights ``p = softmax(s)`` of the scaled logits ``s_ij = scale q_i . k_j``,
+    ``d lse_i / d q_i = scale sum_j p_ij k_j`` and ``d lse_i / d k_j = scale p_ij q_i``.
+    Both come from the kernel itself with the keys as values: ``b = attend(q, k, k)`` is
+    ``sum_j p_ij k_j`` and its value gradient is ``sum_i p_ij (cotangent)_i``. So
+    ``f_i = scale (q_i . sg(b_i) + sg(q_i) . b_i)``, with ``b`` differentiable in its values
+    only, has lse's gradient, and ``lse + f - sg(f)`` keeps lse's values (``f - sg(f)`` is
+    exactly 0). Rows that attend nothing have ``b = 0`` and no gradient. Exact without
+    soft-capping (which no route uses yet). Costs one more kernel call, only for
+    ``return_residual=True``.
+    """
+    sg = jax.lax.stop_gradient
+    b = attend(sg(query), sg(key), key)[0].astype(jnp.float32)  # [batch..., Tq, H, D]
+    q32 = query.astype(jnp.float32)
+    f = scale * (jnp.sum(q32 * sg(b), axis=-1) + jnp.sum(sg(q32) * b, axis=-1))  # [.., Tq, H]
+    f = jnp.swapaxes(f, -1, -2)  # [batch..., H, Tq]
+    return sg(lse) + (f - sg(f))
 
 
 ROUTES: dict[str, Route] = {
     "dense": Route(lambda *args: None, _dense_run),
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
-    "cudnn": Route(_cudnn_obstacle, None),
+    **{name: Route(_kernel_obstacle(name), _kernel_run(name)) for name in kernels.KERNELS},
 }
 ALIASES = {"xla": "dense"}  # jax.nn's names
+
+
+# ----------------------------------------------------------------------------------------
+# The automatic rule
+# ----------------------------------------------------------------------------------------
+
+
+def _blockwise_pays(query, key, backend: str) -> bool:
+    q_len, kv_len = query.shape[-3], key.shape[-3]
+    if backend == "cpu":
+        return min(q_len, kv_len) >= AUTO_MIN_LEN
+    return q_len * kv_len >= AUTO_DENSE_MAX_SCORES
+
+
+def _splash_pays(query, key, backend: str) -> bool:
+    return query.shape[-3] >= SPLASH_MIN_Q_LEN
+
+
+# When a candidate pays off at the call's lengths (no entry: always).
+PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
+
+# The automatic rule: per backend, the candidates in order; the first that pays off and
+# can honour the call wins. The kernels come first wherever they take the call, and jattn's
+# own paths take everything they refuse (dropout, mask arrays, bias, returned weights,
+# dtypes and head sizes a kernel rejects).
+# * gpu: cuDNN (NVIDIA, compute capability >= 8.0, bfloat16/float16). Not 'pallas_triton':
+#   jax's own GPU tests skip its backward on compute capability >= 8.0 for precision
+#   issues and jax 0.12 deprecates it, so it runs only when asked for by name.
+# * tpu: splash, from SPLASH_MIN_Q_LEN queries on.
+# * cpu (and any other backend): jattn's own paths; never a kernel in interpret mode.
+AUTO: dict[str, tuple[str, ...]] = {
+    "gpu": ("cudnn", "blockwise", "dense"),
+    "tpu": ("splash", "blockwise", "dense"),
+    "cpu": ("blockwise", "dense"),
+}
+
+
+def _alternatives(name: str, *call) -> str:
+    """What to use instead of ``name``: the automatic rule and jattn's paths that can."""
+    own = [
+        repr(n) for n in ("blockwise", "dense") if n != name and ROUTES[n].obstacle(*call) is None
+    ]
+    return "implementation=None (automatic: the fastest path that can) or " + " or ".join(own)
 
 
 def choose(implementation, query, key, value, ops, settings, extras) -> str:
     """The implementation that runs the call (raises if an explicit one cannot honour it)."""
     _checks.implementation(implementation)
+    call = (query, key, value, ops, settings, extras)
     if implementation is not None:
         name = ALIASES.get(implementation, implementation)
-        route = ROUTES.get(name)
-        reason = (
-            f"{name!r} is not available in this version of jattn"
-            if route is None
-            else route.obstacle(query, key, value, ops, settings, extras)
-        )
+        reason = ROUTES[name].obstacle(*call)
         if reason is not None:
             raise ValueError(
                 f"implementation={implementation!r} cannot be used here: {reason}. Use "
-                "implementation='dense' or None (automatic)."
+                f"{_alternatives(name, *call)}."
             )
         return name
-    if ROUTES["blockwise"].obstacle(query, key, value, ops, settings, extras) is not None:
-        return "dense"
-    q_len, kv_len = query.shape[-3], key.shape[-3]
-    if jax.default_backend() == "cpu":
-        return "blockwise" if min(q_len, kv_len) >= AUTO_MIN_LEN else "dense"
-    return "blockwise" if q_len * kv_len >= AUTO_DENSE_MAX_SCORES else "dense"
+    backend = jax.default_backend()
+    for name in AUTO.get(backend, AUTO["cpu"]):
+        pays = PAYS.get(name)
+        if (pays is None or pays(query, key, backend)) and ROUTES[name].obstacle(*call) is None:
+            return name
+    raise AssertionError("'dense' honours every call")  # unreachable: dense is last
 
 
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):

@@ -184,8 +184,8 @@ def dot_product_attention(
     ``dot_product_attention``, usable as ``attention_fn`` of their attention modules: it
     takes every keyword they pass and honours each of them.
 
-    Implementations compute the same function (outputs agree to float32 rounding, ~1e-6,
-    gradients too, and dropout drops the same weights for the same key):
+    Implementations compute the same function (outputs and gradients agree to the rounding
+    of the dtype, ~1e-6 in float32, and dropout drops the same weights for the same key):
 
     * ``'dense'`` (``'xla'`` is jax.nn's name for it): builds the ``[q_len, kv_len]``
       weights, masks them and multiplies; memory grows as ``q_len * kv_len``.
@@ -195,16 +195,41 @@ def dot_product_attention(
       custom backward pass; memory grows as ``q_len + kv_len``. Its custom VJP serves
       reverse mode and forward-over-reverse (``jax.hessian``), not ``jax.jvp`` /
       ``jax.jacfwd`` of the call itself nor ``jax.grad`` of ``jax.grad``.
-    * ``'cudnn'``: jax's cuDNN flash attention, on NVIDIA GPUs only.
+    * ``'cudnn'``: jax's cuDNN flash attention (``jax.nn.dot_product_attention(
+      implementation='cudnn')``): NVIDIA GPUs of compute capability >= 8.0, bfloat16 /
+      float16, head_dim a multiple of 8 up to 128 (256 on Hopper); causal, lengths, windows
+      that look left only (with ``is_causal`` or a window: q_len == kv_len); no segment
+      ids, no residual.
+    * ``'pallas_triton'``: the Pallas GPU (Triton) flash attention, forward and backward:
+      self-attention (q_len == kv_len), causal, lengths, one segment-id array, float16 /
+      bfloat16 / float32, ``return_residual``; no windows. K/V are repeated for GQA. Never
+      chosen automatically: jax's own GPU tests skip its backward on compute capability
+      >= 8.0 (precision issues), and jax 0.12 deprecates it.
+    * ``'splash'``: Pallas splash attention (TPUs): causal, windows, lengths, segment ids,
+      GQA/MQA without copies, bfloat16 / float32; no residual.
 
-    ``implementation=None`` (automatic) picks ``'dense'`` when the call needs the weight
-    matrix (``return_weights=True``, ``module=``), adds a ``bias`` array, has a traced
-    ``scale`` or uses flax's einsum hooks; otherwise, on CPU, ``'blockwise'`` when ``q_len``
-    and ``kv_len`` are both at least 256 (where it measured faster, ``benchmarks/results.md``),
-    and on other backends ``'blockwise'`` only when ``q_len * kv_len >= 4096**2`` (memory).
+    The kernels (:mod:`jattn.kernels`) keep jattn's semantics (masks True = attend, zero
+    output and gradients for rows that attend nothing, ``scale``, batch dims) and take no
+    dropout, ``mask`` or ``bias`` array, returned weights, flax einsum hooks, explicit
+    ``precision`` or float64. Off their own hardware the Pallas kernels run only in
+    interpret mode (slow, for tests), when asked for by name with the environment variable
+    ``JATTN_PALLAS_INTERPRET=1``.
+
+    ``implementation=None`` (automatic) takes, per backend, the first of these that pays off
+    and honours the call (``jattn._routing.AUTO``):
+
+    * GPU: ``'cudnn'``, then ``'blockwise'`` when ``q_len * kv_len >= 4096**2``, else
+      ``'dense'``;
+    * TPU: ``'splash'`` when ``q_len >= 128``, then ``'blockwise'`` when
+      ``q_len * kv_len >= 4096**2``, else ``'dense'``;
+    * CPU: ``'blockwise'`` when ``q_len`` and ``kv_len`` are both at least 256 (where it
+      measured faster, ``benchmarks/results.md``), else ``'dense'``; never a kernel.
+
+    ``'blockwise'`` is skipped when the call needs the weight matrix (``return_weights=True``,
+    ``module=``), adds a ``bias`` array, has a traced ``scale`` or uses flax's einsum hooks.
     Under forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) or nested reverse mode traced
-    around the call, it picks ``'dense'``; only ``jax.jvp(jax.jit(f))``, whose jit was traced
-    beforehand, hides the transformation: pass ``implementation='dense'`` there.
+    around the call, ``'blockwise'`` is skipped too; only ``jax.jvp(jax.jit(f))``, whose jit
+    was traced beforehand, hides the transformation: pass ``implementation='dense'`` there.
 
     Args:
       query: ``[batch..., q_len, num_heads, head_dim]``.
@@ -255,8 +280,9 @@ def dot_product_attention(
       attn_weights_value_einsum: see above.
       promote_dtype: flax NNX's hook: ``promote_dtype((q, k, v), dtype=dtype)`` casts the
         inputs (default: jattn's promotion, the result dtype of q, k, v, or ``dtype``).
-      implementation: ``None`` (automatic, above), ``'dense'`` / ``'xla'``, ``'blockwise'``
-        or ``'cudnn'``. One that cannot honour the call raises a ValueError saying why.
+      implementation: ``None`` (automatic, above), ``'dense'`` / ``'xla'``, ``'blockwise'``,
+        ``'cudnn'``, ``'pallas_triton'`` or ``'splash'``. One that cannot honour the call
+        raises a ValueError saying which option it lacks and what to use instead.
 
     Returns:
       ``[batch..., q_len, num_heads, v_head_dim]`` in ``dtype``; with ``return_weights``

@@ -103,7 +103,8 @@ class _Projections(nn.Module):
     attention_implementation: str | None = None
     """``implementation`` of :func:`jattn.dot_product_attention`: None (automatic), or a
     name such as ``'dense'`` (needed for ``jax.jvp`` of an already jitted apply at lengths
-    where the automatic rule picks blockwise) or ``'blockwise'``."""
+    where the automatic rule picks blockwise) or ``'blockwise'``. Also ``'cudnn'``,
+    ``'pallas_triton'``, ``'splash'`` (kernels; decoding's mask refuses them)."""
 
     def __post_init__(self):
         self.config  # validates the options once, at construction  # noqa: B018

@@ -241,6 +241,7 @@ class SelfAttentionV1(_Attention):
       precision: ``jax.lax.Precision`` of the matmuls.
       attention_implementation: ``implementation`` of :func:`jattn.dot_product_attention`
         (None: automatic; ``'dense'`` for ``jax.jvp`` of an already jitted call).
+        Kernels (``'cudnn'``, ``'pallas_triton'``, ``'splash'``) refuse decoding's mask.
       kernel_init: default ``uniform(1.0)``, i.e. U[0, 1) as the book's ``torch.rand``.
       rngs: ``nnx.Rngs`` for the initialization (its ``params`` stream).
     """

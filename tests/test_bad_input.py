@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jattn
-from jattn import causality, convert, kvcache, masks, ring
+from jattn import causality, convert, kernels, kvcache, masks, ring
 from jattn import generate as gen
 from jattn import linen as jl
 from jattn import nnx as jn
@@ -59,6 +60,28 @@ dpa = jattn.dot_product_attention
 
 def dpa_with(**kwargs):
     return lambda: dpa(Q, Q, Q, **kwargs)
+
+
+def interpret_mode(on: bool, call):
+    """``call`` with JATTN_PALLAS_INTERPRET set to 1 (``on``) or unset, whatever the env says."""
+
+    def run():
+        saved = os.environ.pop(kernels.INTERPRET_ENV, None)
+        if on:
+            os.environ[kernels.INTERPRET_ENV] = "1"
+        try:
+            return call()
+        finally:
+            os.environ.pop(kernels.INTERPRET_ENV, None)
+            if saved is not None:
+                os.environ[kernels.INTERPRET_ENV] = saved
+
+    return run
+
+
+def kernel_call(name, **kwargs):
+    """``implementation=name`` in interpret mode: past the device check, to the option's refusal."""
+    return interpret_mode(True, dpa_with(implementation=name, **kwargs))
 
 
 @functools.cache
@@ -281,6 +304,16 @@ CASES = [
     Case("dot_product_attention", "implementation='blockwise', return_weights=True", V, "need the full [q_len, kv_len] weight matrix", dpa_with(implementation="blockwise", return_weights=True)),
     Case("dot_product_attention", "implementation='blockwise', mask that does not broadcast", V, "does not broadcast to the attention logits shape", dpa_with(implementation="blockwise", mask=jnp.ones((3, 4), bool))),
     Case("dot_product_attention", "implementation='blockwise', dropout without a key", V, "no random key was given", dpa_with(implementation="blockwise", dropout_rate=0.5)),
+    Case("dot_product_attention", "implementation='splash' on CPU, JATTN_PALLAS_INTERPRET unset", V, "set JATTN_PALLAS_INTERPRET=1 to run it in interpret mode", interpret_mode(False, dpa_with(implementation="splash"))),
+    Case("dot_product_attention", "implementation='pallas_triton' on CPU, JATTN_PALLAS_INTERPRET unset", V, "it runs on GPU only, not on cpu (set JATTN_PALLAS_INTERPRET=1", interpret_mode(False, dpa_with(implementation="pallas_triton"))),
+    Case("dot_product_attention", "implementation='cudnn' on CPU", V, "it needs an NVIDIA GPU of compute capability >= 8.0", dpa_with(implementation="cudnn")),
+    Case("dot_product_attention", "implementation='splash' with a mask array", V, "cannot be used here: a mask array (only causal, window, lengths and segment ids are built in). Use implementation=None (automatic: the fastest path that can) or 'blockwise' or 'dense'", kernel_call("splash", mask=jnp.ones((4, 4), bool))),
+    Case("dot_product_attention", "implementation='splash' with dropout", V, "dropout (jattn's explicit-key dropout lives in its own paths)", kernel_call("splash", dropout_rate=0.1, dropout_rng=KEY)),
+    Case("dot_product_attention", "implementation='pallas_triton' with a bias", V, "a bias array. Use implementation=None (automatic: the fastest path that can) or 'dense'", kernel_call("pallas_triton", bias=jnp.zeros((4, 4)))),
+    Case("dot_product_attention", "implementation='splash', return_weights=True", V, "return_weights=True and module= need the full [q_len, kv_len] weight matrix", kernel_call("splash", return_weights=True)),
+    Case("dot_product_attention", "implementation='splash', return_residual=True", V, "return_residual=True (splash does not return its log-sum-exp)", kernel_call("splash", return_residual=True)),
+    Case("dot_product_attention", "implementation='pallas_triton', a traced scale (under jit)", V, "a traced scale (the kernel compiles the scale in)", interpret_mode(True, lambda: jax.jit(lambda s: dpa(Q, Q, Q, scale=s, implementation="pallas_triton"))(0.5))),
+    Case("dot_product_attention", "implementation='splash' in float16", V, "dtype float16 (splash computes in bfloat16 or float32)", kernel_call("splash", dtype=jnp.float16)),
     Case("dot_product_attention", "dtype=jnp.int32", T, "dtype must be a floating dtype", dpa_with(dtype=jnp.int32)),
     Case("dot_product_attention", "dtype=float64 with jax_enable_x64 off", V, "dtype=float64 needs 64-bit mode", dpa_with(dtype=jnp.float64)),
     Case("dot_product_attention_weights", "int query", T, "query must have a floating dtype", lambda: jattn.dot_product_attention_weights(Q.astype(int), Q)),

@@ -60,16 +60,18 @@ def np_mask(case: Case, q_ids, kv_ids) -> np.ndarray:
     return mask
 
 
-def np_attention_vjp(q, k, v, mask, scale, softcap, d_out):
+def np_attention_vjp(q, k, v, mask, scale, softcap, d_out, d_lse=None):
     """float64 forward, log-sum-exp and VJP of masked, optionally soft-capped attention.
 
     Derived by hand (independent of jax): with logits ``s = cap * tanh(z / cap)`` of the
     scaled scores ``z``, weights ``p = softmax(s)`` (zero rows where nothing is visible),
     ``dv = pᵀ do``, ``dp = do vᵀ``, ``ds = p (dp - Σ p dp)``, ``dz = ds (1 - tanh²)``,
     ``dq = dz k * scale``, ``dk = dzᵀ q * scale``; grouped heads sum into their K/V head.
+    A cotangent ``d_lse [.., H, Tq]`` of ``lse = log Σ exp(s)`` adds ``p d_lse`` to ``ds``.
 
     Returns:
-      ``(out [.., Tq, H, Dv], lse [.., H, Tq], (dq, dk, dv))``.
+      ``(out [.., Tq, H, Dv], lse [.., H, Tq]`` (0 on rows that see nothing),
+      ``(dq, dk, dv))``.
     """
     q, k, v, d_out = (np.asarray(a, np.float64) for a in (q, k, v, d_out))
     *batch, _, h, d = q.shape
@@ -91,6 +93,8 @@ def np_attention_vjp(q, k, v, mask, scale, softcap, d_out):
     dp = np.einsum("...thd,...shd->...hts", d_out, vf)
     dvf = np.einsum("...hts,...thd->...shd", p, d_out)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    if d_lse is not None:
+        ds = ds + p * np.asarray(d_lse, np.float64)[..., None]
     if softcap:
         ds = ds * (1.0 - tanh**2)
     dq = np.einsum("...hts,...shd->...thd", ds, kf) * scale
@@ -242,8 +246,13 @@ def run_adapter(module, case: Case, *, interpret: bool):
     return forward_and_vjp(q, k, v, d_out)
 
 
-def dense(case: Case):
-    """jattn's dense path on the case, in the case's dtype: output and (dq, dk, dv)."""
+def public(case: Case, implementation: str | None, d_lse=None):
+    """``jattn.dot_product_attention(implementation=...)`` on the case, in the case's dtype.
+
+    Returns ``(out, lse, (dq, dk, dv))``: with ``d_lse [.., H, Tq]`` the call returns its
+    residual too, ``lse`` is that residual as ``[.., H, Tq]`` and the gradients take
+    ``d_lse`` as its cotangent; without it ``lse`` is None.
+    """
     q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
 
     def f(q, k, v):
@@ -257,11 +266,19 @@ def dense(case: Case):
             key_value_seq_lengths=lengths(case, "kv_lengths"),
             query_segment_ids=q_ids,
             key_value_segment_ids=kv_ids,
-            implementation="dense",
+            return_residual=d_lse is not None,
+            implementation=implementation,
         )
 
-    out, vjp = jax.vjp(f, q, k, v)
-    return out, vjp(d_out)
+    @jax.jit
+    def forward_and_vjp(q, k, v, d_out, d_lse):
+        result, vjp = jax.vjp(f, q, k, v)
+        if d_lse is None:
+            return result, None, vjp(d_out)
+        out, residual = result  # residual [.., Tq, H]
+        return out, jnp.swapaxes(residual, -1, -2), vjp((d_out, jnp.swapaxes(d_lse, -1, -2)))
+
+    return forward_and_vjp(q, k, v, d_out, d_lse)
 
 
 def tolerance(dtype: str) -> float:
@@ -272,15 +289,26 @@ def tolerance(dtype: str) -> float:
     return 1e-4 if BACKEND == "cpu" else 5e-3
 
 
-def check_case(module, case: Case, *, interpret: bool, check_lse: bool) -> None:
+def assert_lse(lse, expected, empty, tol: float, what: str) -> None:
+    """lse ``[.., H, Tq]`` float32: ``expected`` on rows that see a key, large_negative elsewhere."""
+    assert lse.dtype == jnp.float32, lse.dtype
+    rows = np.broadcast_to(empty[..., None, :], lse.shape)
+    assert_close(np.where(rows, 0.0, lse), np.where(rows, 0.0, expected), tol, what)
+    assert (np.asarray(lse)[rows] == float(jattn.large_negative(jnp.float32))).all(), what
+
+
+def check_results(case: Case, out, lse, grads, d_lse=None) -> None:
+    """One implementation's ``(out, lse or None, grads)`` against float64 numpy and dense.
+
+    ``d_lse``: the lse's cotangent the gradients include (None: no lse term).
+    """
     tol = tolerance(case.dtype)
     q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
-    out, lse, grads = run_adapter(module, case, interpret=interpret)
     assert out.dtype == q.dtype and out.shape == q.shape
 
     mask = np_mask(case, q_ids, kv_ids)
     scale = case.d**-0.5
-    ref_out, ref_lse, ref_grads = np_attention_vjp(q, k, v, mask, scale, case.softcap, d_out)
+    ref_out, ref_lse, ref_grads = np_attention_vjp(q, k, v, mask, scale, case.softcap, d_out, d_lse)
     if case.softcap is None:  # the shared reference has no soft-capping
         np.testing.assert_allclose(
             ref_out, np_attention(q, k, v, mask=mask, scale=scale), atol=1e-12
@@ -291,14 +319,21 @@ def check_case(module, case: Case, *, interpret: bool, check_lse: bool) -> None:
     # Rows that attend nothing: zero output and zero dq, exactly.
     empty = ~mask.any(-1)[..., 0, :]  # [batch..., Tq]
     assert not np.asarray(out)[empty].any() and not np.asarray(grads[0])[empty].any()
-    if check_lse:
-        assert lse.dtype == jnp.float32
-        assert_close(lse, ref_lse, tol, "lse vs float64")
+    if lse is not None:
+        assert_lse(lse, ref_lse, empty, tol, "lse vs float64")
     if case.softcap is None:  # jattn's dense path has no soft-capping
-        dense_out, dense_grads = dense(case)
+        dense_out, dense_lse, dense_grads = public(case, "dense", d_lse)
         assert_close(out, dense_out, tol, "output vs dense")
         for name, grad, ref in zip(("dq", "dk", "dv"), grads, dense_grads, strict=True):
             assert_close(grad, ref, tol, f"{name} vs dense")
+        if lse is not None and d_lse is not None:
+            assert_lse(lse, dense_lse, empty, tol, "lse vs dense")
+
+
+def check_case(module, case: Case, *, interpret: bool, check_lse: bool) -> None:
+    """The adapter itself (its lse carries no gradient: none is asked of it)."""
+    out, lse, grads = run_adapter(module, case, interpret=interpret)
+    check_results(case, out, lse if check_lse else None, grads)
 
 
 # ----------------------------------------------------------------------------------------
@@ -320,6 +355,71 @@ def test_pallas_kernel_conformance(name, case):
     check_case(module, case, interpret=interpret, check_lse=name == "pallas_triton")
 
 
+# ----------------------------------------------------------------------------------------
+# The same kernels through the public API: jattn.dot_product_attention(implementation=NAME)
+# ----------------------------------------------------------------------------------------
+
+CASE_BY_NAME = {case.name: case for case in CASES}
+# At least six option cases per kernel, among those it takes (REFUSED): causal, windows,
+# segment ids, lengths, fully masked rows, GQA/MQA, float32 and bfloat16, batch dims.
+PUBLIC_CASES = {
+    "pallas_triton": (
+        "causal_gqa", "segments_causal", "lengths", "fully_masked_rows", "mqa", "bfloat16",
+        "batch_dims",
+    ),
+    "splash": (
+        "causal_gqa", "window", "cross_causal", "segments_causal", "cross_segments", "lengths",
+        "fully_masked_rows", "mqa", "bfloat16",
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture
+def interpret_mode(monkeypatch):
+    """``JATTN_PALLAS_INTERPRET=1``: the Pallas kernels run off their own hardware too."""
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
+
+
+def spy_on(monkeypatch, module) -> list:
+    """Records every call of ``module.attention`` (proves the route ran the kernel)."""
+    calls, real = [], module.attention
+
+    def attention(*args, **kwargs):
+        calls.append(kwargs["interpret"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "attention", attention)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("name", "case"),
+    [(name, CASE_BY_NAME[c]) for name, cases in PUBLIC_CASES.items() for c in cases],
+    ids=lambda x: str(x),
+)
+def test_public_api_runs_the_kernel(name, case, interpret_mode, monkeypatch):
+    """``implementation=NAME`` runs the kernel (interpret mode off its hardware) with jattn's answers."""
+    module = ADAPTERS[name]
+    calls = spy_on(monkeypatch, module)
+    out, _, grads = public(case, name)
+    assert calls == [not module.available(BACKEND)]
+    check_results(case, out, None, grads)
+
+
+@pytest.mark.parametrize("case", ["fully_masked_rows", "mqa", "lengths"])
+def test_pallas_triton_residual_and_its_gradient(case, interpret_mode):
+    """``return_residual=True`` on the Pallas Triton kernel: jattn's lse, differentiable.
+
+    The residual equals float64's log-sum-exp (large_negative where a row sees nothing),
+    and gradients through output *and* residual equal float64's and the dense path's.
+    """
+    case = CASE_BY_NAME[case]
+    rng = np.random.default_rng(1)
+    d_lse = jnp.asarray(rng.standard_normal((*case.batch, case.h, case.tq)), jnp.float32)
+    out, lse, grads = public(case, "pallas_triton", d_lse)
+    check_results(case, out, lse, grads, d_lse)
+
+
 CUDNN_CASES = [
     Case("cudnn_causal_gqa", dtype="bfloat16", tq=64, tk=64, causal=True),
     Case("cudnn_lengths", dtype="bfloat16", q_lengths=(30, 0), kv_lengths=(12, 40)),
@@ -339,6 +439,18 @@ def test_cudnn_conformance(case):
     case = dataclasses.replace(case, d=32)  # cuDNN: head_dim a multiple of 8
     assert obstacle_of(cudnn_adapter, case, interpret=False) is None
     check_case(cudnn_adapter, case, interpret=False, check_lse=False)
+
+
+@pytest.mark.parametrize("case", CUDNN_CASES[:3], ids=str)
+def test_automatic_rule_runs_cudnn_on_a_gpu(case, monkeypatch):
+    """On an NVIDIA GPU, ``implementation=None`` takes cuDNN for the calls it honours."""
+    if not cudnn_adapter.available(BACKEND):
+        pytest.skip("cuDNN flash attention needs an NVIDIA GPU (compute capability >= 8.0)")
+    case = dataclasses.replace(case, d=32)
+    calls = spy_on(monkeypatch, cudnn_adapter)
+    out, _, grads = public(case, None)
+    assert calls == [False]
+    check_results(case, out, None, grads)
 
 
 @pytest.mark.parametrize("case", CUDNN_CASES[:-1], ids=str)

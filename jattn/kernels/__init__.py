@@ -10,8 +10,13 @@ One module per kernel family, each with the same three functions:
   kv_segments, softcap, interpret) -> (out, lse)``: inputs validated and cast by the public
   entry; ``q [batch..., Tq, H, D]``, ``k, v [batch..., Tk, K, D]``; returns
   ``out [batch..., Tq, H, Dv]`` in q's dtype with jattn's semantics (fully masked query rows
-  give zero output and zero gradients) and ``lse [batch..., H, Tq]`` float32 or ``None``.
+  give zero output and zero gradients) and ``lse [batch..., H, Tq]`` float32 or ``None``
+  (:func:`jattn.large_negative` on rows that attend nothing, as jattn's own paths).
 * ``available(backend) -> bool``: the kernel can run natively there.
+* ``RETURNS_LSE``: whether ``attention`` returns the lse (``return_residual=`` needs it).
+
+:mod:`jattn._routing` routes ``implementation=`` names and the automatic rule to these
+adapters.
 
 The kernels:
 

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn import masks
+
 Array = jax.Array
 
 
@@ -110,14 +112,16 @@ def lengths_valid(lengths: Array | None, length: int) -> Array | None:
 
 
 def zero_invalid_rows(out: Array, lse: Array | None, valid: Array | None):
-    """Zeros the output ``[B, T, H, Dv]`` and lse ``[B, H, T]`` rows where ``valid [B, T]`` is False.
+    """Clears the rows where ``valid [B, T]`` is False, as jattn's own paths give them.
 
-    A ``where`` (not a multiply) so that the rows' cotangents are exactly zero whatever the
-    kernel computed there.
+    The output ``[B, T, H, Dv]`` gets zeros there and the lse ``[B, H, T]``
+    :func:`jattn.large_negative` (the dense and blockwise paths' log-sum-exp of a row that
+    attends nothing). A ``where`` (not a multiply) so that the rows' cotangents are exactly
+    zero whatever the kernel computed there.
     """
     if valid is None:
         return out, lse
     out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
     if lse is not None:
-        lse = jnp.where(valid[:, None, :], lse, jnp.zeros((), lse.dtype))
+        lse = jnp.where(valid[:, None, :], lse, masks.large_negative(lse.dtype))
     return out, lse

@@ -34,11 +34,12 @@ import jax.numpy as jnp
 
 from jattn.kernels import _common
 
-__all__ = ["attention", "available", "compute_capability", "obstacle"]
+__all__ = ["RETURNS_LSE", "attention", "available", "compute_capability", "obstacle"]
 
 Array = jax.Array
 
 _DTYPES = ("bfloat16", "float16")
+RETURNS_LSE = False  # jax.nn rounds cuDNN's lse to the input dtype (module docstring)
 
 
 def compute_capability() -> tuple[int, int] | None:

@@ -18,11 +18,12 @@ log-sum-exp as a residual. What it lacks, and how the adapter fills it in:
   by causality or by a segment id no real token has;
 * fully masked query rows (length 0, or a key length that hides every key of a segment):
   the kernel averages the hidden keys there; the adapter finds those rows exactly
-  (from the lengths and segment ids, in O(T log T)) and zeros their output, lse and
-  gradients with a ``where``;
+  (from the lengths and segment ids, in O(T log T)) and zeros their output and gradients
+  with a ``where`` (their lse is :func:`jattn.large_negative`, as on jattn's own paths);
 * lse: the kernel's residual (base 2) turned into the natural log, from jax's own forward
   and backward rules (``mha.fwd`` / ``mha.bwd``) joined in a custom VJP, so the output is
-  differentiable and the lse comes at no cost; the lse carries no gradient.
+  differentiable and the lse comes at no cost; the lse carries no gradient here
+  (:mod:`jattn._routing` adds it for ``return_residual=True``).
 
 Refused: q_len != kv_len (one segment array indexes both, and the fused backward needs as
 many query blocks as key blocks), windows, separate key/value segment ids, soft-capping,
@@ -45,11 +46,12 @@ import jax.numpy as jnp
 
 from jattn.kernels import _common
 
-__all__ = ["attention", "available", "obstacle"]
+__all__ = ["RETURNS_LSE", "attention", "available", "obstacle"]
 
 Array = jax.Array
 
 _DTYPES = ("bfloat16", "float16", "float32")
+RETURNS_LSE = True  # the kernel's own residual, in float32 (no gradient)
 _HIDDEN = 1e30  # the logit magnitude of a key hidden by the lengths column
 
 
@@ -239,8 +241,8 @@ def attention(
       interpret: run the Pallas kernel in interpret mode (any backend, slow).
 
     Returns:
-      ``(out [batch..., T, H, D]`` in q's dtype, ``lse [batch..., H, T]`` float32, 0 on
-      rows that attend nothing, without gradient).
+      ``(out [batch..., T, H, D]`` in q's dtype, ``lse [batch..., H, T]`` float32,
+      :func:`jattn.large_negative` on rows that attend nothing, without gradient).
     """
     del window, softcap, kv_segments  # refused by obstacle(); kv ids are the query ids
     q3, batch_shape = _common.flatten_batch(q, 3)

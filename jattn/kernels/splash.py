@@ -39,13 +39,14 @@ import numpy as np
 
 from jattn.kernels import _common
 
-__all__ = ["attention", "available", "obstacle"]
+__all__ = ["RETURNS_LSE", "attention", "available", "obstacle"]
 
 Array = jax.Array
 
 _LANES = 128  # splash's block sizes are multiples of the TPU lane width
 _SINK = -1e30  # the logit of the sink that keeps empty rows at zero (see module docstring)
 _DTYPES = ("bfloat16", "float32")
+RETURNS_LSE = False  # only splash's non-differentiable variant has it
 
 
 def available(backend: str) -> bool:

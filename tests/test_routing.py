@@ -1,0 +1,429 @@
+"""The routing table (jattn._routing): the automatic rule per backend, explicit names, refusals.
+
+Everything runs on CPU. Another backend is simulated by monkeypatching
+``jax.default_backend`` (and cuDNN's compute capability, which its ``available`` reads);
+which implementation a call takes is read by a spy on ``_routing.choose`` that stops the
+call once the choice is made, so nothing runs on hardware that is not here. Where a routed
+call does run: cuDNN's kernel call is replaced by jax.nn's XLA path (as in
+tests/test_kernels.py) and the Pallas kernels run in interpret mode. The kernels' own
+conformance (forward, gradients, every option) is tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jattn
+from jattn import _routing, kernels, kvcache
+from jattn import nnx as jn
+from jattn.kernels import cudnn as cudnn_adapter
+from jattn.kernels import splash as splash_adapter
+
+
+@pytest.fixture(autouse=True)
+def no_interpret_mode(monkeypatch):
+    """Every test starts without JATTN_PALLAS_INTERPRET, whatever the environment says."""
+    monkeypatch.delenv(kernels.INTERPRET_ENV, raising=False)
+
+
+@pytest.fixture
+def interpret_mode(monkeypatch):
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
+
+
+def on_backend(monkeypatch, backend: str, capability=(9, 0)) -> None:
+    """Makes the routing see ``backend`` (on 'gpu': an NVIDIA GPU of ``capability``)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: capability)
+
+
+class Chosen(Exception):
+    """Raised by the spy with the chosen implementation's name."""
+
+
+def route_of(monkeypatch, query, key=None, value=None, **kwargs) -> str:
+    """The implementation ``jattn.dot_product_attention(query, key, value, **kwargs)`` takes."""
+    real = _routing.choose
+
+    def spy(*args):
+        raise Chosen(real(*args))
+
+    key = query if key is None else key
+    with monkeypatch.context() as patch:
+        patch.setattr(_routing, "choose", spy)
+        with pytest.raises(Chosen) as chosen:
+            jattn.dot_product_attention(query, key, key if value is None else value, **kwargs)
+    return chosen.value.args[0]
+
+
+def qkv(t=64, heads=4, kv_heads=2, dim=32, dtype=jnp.bfloat16, batch=2):
+    """Random q ``[batch, t, heads, dim]`` and k, v ``[batch, t, kv_heads, dim]``."""
+    rng = np.random.default_rng(t)
+    shapes = [(batch, t, heads, dim), (batch, t, kv_heads, dim), (batch, t, kv_heads, dim)]
+    return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype) for s in shapes)
+
+
+def einsum_hooks():
+    qk = lambda q, k: jnp.einsum("...qhd,...khd->...hqk", q, k)  # noqa: E731
+    wv = lambda w, v: jnp.einsum("...hqk,...khd->...qhd", w, v)  # noqa: E731
+    return dict(qk_attn_weights_einsum=qk, attn_weights_value_einsum=wv)
+
+
+# Options and what they do to the automatic rule; shared by the GPU and TPU tables.
+KEY = jax.random.key(0)
+MASK = jnp.tril(jnp.ones((64, 64), bool))
+FALLBACK_OPTIONS = {
+    "mask array": dict(mask=MASK),
+    "dropout": dict(dropout_rate=0.1, dropout_rng=KEY),
+    "bias": dict(bias=jnp.zeros((64, 64), jnp.bfloat16)),
+    "return_weights": dict(return_weights=True),
+    "return_residual": dict(return_residual=True),  # neither cuDNN nor splash return an lse
+    "precision": dict(precision=jax.lax.Precision.HIGHEST),
+    "einsum hooks": einsum_hooks(),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# The automatic rule, per backend
+# ----------------------------------------------------------------------------------------
+
+
+def test_gpu_picks_cudnn_where_it_can(monkeypatch):
+    on_backend(monkeypatch, "gpu")
+    q, k, v = qkv()
+    assert route_of(monkeypatch, q, k, v, is_causal=True) == "cudnn"
+    assert route_of(monkeypatch, q, k, v) == "cudnn"
+    lengths = jnp.array([30, 64])
+    assert route_of(monkeypatch, q, k, v, query_seq_lengths=lengths) == "cudnn"
+    assert route_of(monkeypatch, q, k, v, is_causal=True, local_window_size=(8, 0)) == "cudnn"
+    assert route_of(monkeypatch, *qkv(dtype=jnp.float16), is_causal=True) == "cudnn"
+    assert route_of(monkeypatch, q, k, v, precision=jax.lax.Precision.DEFAULT) == "cudnn"
+
+
+@pytest.mark.parametrize("option", FALLBACK_OPTIONS)
+def test_gpu_falls_back_for_what_cudnn_lacks(option, monkeypatch):
+    on_backend(monkeypatch, "gpu")
+    q, k, v = qkv()
+    assert route_of(monkeypatch, q, k, v, is_causal=True, **FALLBACK_OPTIONS[option]) == "dense"
+
+
+@pytest.mark.parametrize(
+    ("why", "inputs", "options"),
+    [
+        ("float32", dict(dtype=jnp.float32), {}),
+        ("head_dim 36", dict(dim=36), {}),
+        ("segment ids", {}, dict(query_segment_ids=jnp.zeros((2, 64), jnp.int32))),
+        ("window reaching right", {}, dict(local_window_size=(4, 4))),
+    ],
+)
+def test_gpu_falls_back_for_inputs_cudnn_rejects(why, inputs, options, monkeypatch):
+    on_backend(monkeypatch, "gpu")
+    assert route_of(monkeypatch, *qkv(**inputs), **options) == "dense"
+    # The same at a length where jattn's own choice is blockwise (q_len * kv_len >= 4096²).
+    long = qkv(t=4096, heads=1, kv_heads=1, batch=1, **{"dim": 8, **inputs})
+    if why == "segment ids":
+        options = dict(query_segment_ids=jnp.zeros((1, 4096), jnp.int32))
+    assert route_of(monkeypatch, *long, **options) == "blockwise"
+
+
+def test_gpu_without_a_capable_nvidia_gpu_uses_jattn(monkeypatch):
+    q, k, v = qkv()
+    on_backend(monkeypatch, "gpu", capability=(7, 5))
+    assert route_of(monkeypatch, q, k, v, is_causal=True) == "dense"
+    on_backend(monkeypatch, "gpu", capability=None)  # a GPU that is not NVIDIA's
+    assert route_of(monkeypatch, q, k, v, is_causal=True) == "dense"
+
+
+def test_gpu_never_picks_pallas_triton(monkeypatch, interpret_mode):
+    """Pallas Triton takes float32 and segment ids, but runs only when asked for by name."""
+    on_backend(monkeypatch, "gpu")
+    q, k, v = qkv(dtype=jnp.float32)
+    ids = jnp.zeros((2, 64), jnp.int32)
+    assert route_of(monkeypatch, q, k, v, query_segment_ids=ids) == "dense"
+    name = route_of(monkeypatch, q, k, v, query_segment_ids=ids, implementation="pallas_triton")
+    assert name == "pallas_triton"
+
+
+def test_tpu_picks_splash_from_128_queries(monkeypatch):
+    on_backend(monkeypatch, "tpu")
+    for dtype in (jnp.bfloat16, jnp.float32):
+        assert route_of(monkeypatch, *qkv(t=128, dtype=dtype), is_causal=True) == "splash"
+    ids = jnp.zeros((2, 128), jnp.int32)
+    options = dict(query_segment_ids=ids, local_window_size=(16, 16), scale=0.5)
+    assert route_of(monkeypatch, *qkv(t=128), **options) == "splash"
+    # Short query blocks: splash would pad them to 128; jattn's dense path instead.
+    assert _routing.SPLASH_MIN_Q_LEN == 128
+    assert route_of(monkeypatch, *qkv(t=127), is_causal=True) == "dense"
+    q, _, _ = qkv(t=1)
+    _, k, v = qkv(t=512)
+    assert route_of(monkeypatch, q, k, v) == "dense"  # one-query decoding
+
+
+@pytest.mark.parametrize("option", FALLBACK_OPTIONS)
+def test_tpu_falls_back_for_what_splash_lacks(option, monkeypatch):
+    on_backend(monkeypatch, "tpu")
+    q, k, v = qkv(t=128)
+    options = dict(FALLBACK_OPTIONS[option])
+    for name in ("mask", "bias"):
+        if name in options:
+            options[name] = jnp.ones((128, 128), options[name].dtype)
+    assert route_of(monkeypatch, q, k, v, is_causal=True, **options) == "dense"
+
+
+def test_tpu_falls_back_for_float16(monkeypatch):
+    on_backend(monkeypatch, "tpu")
+    assert route_of(monkeypatch, *qkv(t=128, dtype=jnp.float16)) == "dense"
+    long = qkv(t=4096, heads=1, kv_heads=1, batch=1, dim=8, dtype=jnp.float16)
+    assert route_of(monkeypatch, *long) == "blockwise"
+
+
+def test_cpu_rule_is_unchanged_and_never_interprets(monkeypatch, interpret_mode):
+    """On CPU: dense below 256 tokens, blockwise from there; no kernel even in interpret mode."""
+    on_backend(monkeypatch, "cpu")
+    assert _routing.AUTO_MIN_LEN == 256
+    assert route_of(monkeypatch, *qkv(t=255), is_causal=True) == "dense"
+    assert route_of(monkeypatch, *qkv(t=256), is_causal=True) == "blockwise"
+    assert route_of(monkeypatch, *qkv(t=256), bias=jnp.zeros((256, 256))) == "dense"
+    # Asked for by name, the Pallas kernels run there in interpret mode.
+    assert route_of(monkeypatch, *qkv(), implementation="splash") == "splash"
+
+
+def test_the_table_lists_every_backend_and_ends_with_dense():
+    assert set(_routing.AUTO) == {"cpu", "gpu", "tpu"}
+    for candidates in _routing.AUTO.values():
+        assert candidates[-1] == "dense"
+        assert set(candidates) <= set(_routing.ROUTES)
+    assert "pallas_triton" not in _routing.AUTO["gpu"]
+    assert set(_routing.ROUTES) == {"dense", "blockwise", *kernels.KERNELS}
+
+
+# ----------------------------------------------------------------------------------------
+# Routed calls that run: the automatic rule's kernel is the one that computes
+# ----------------------------------------------------------------------------------------
+
+
+def count_calls(monkeypatch, module, **overrides) -> list:
+    """Counts ``module.attention`` calls, passing ``overrides`` (e.g. interpret=True) to it."""
+    calls, real = [], module.attention
+
+    def attention(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **{**kwargs, **overrides})
+
+    monkeypatch.setattr(module, "attention", attention)
+    return calls
+
+
+def test_gpu_automatic_call_runs_cudnn_with_xla_standing_in(monkeypatch):
+    """bfloat16 causal GQA with lengths on a (simulated) GPU: cuDNN's adapter computes it."""
+    on_backend(monkeypatch, "gpu")
+    real = jax.nn.dot_product_attention
+
+    def xla_instead(*args, implementation=None, **kwargs):
+        assert implementation == "cudnn"
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", xla_instead)
+    calls = count_calls(monkeypatch, cudnn_adapter)
+    q, k, v = qkv()
+    options = dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 40]))
+
+    def loss(q, k, v, implementation):
+        out = jattn.dot_product_attention(q, k, v, implementation=implementation, **options)
+        return out.astype(jnp.float32).sum(), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (dq, dk, dv), out = grad(q, k, v, None)
+    assert calls == [1]
+    (dq_ref, dk_ref, dv_ref), ref = grad(q, k, v, "dense")
+    for name, a, b in [
+        ("out", out, ref),
+        ("dq", dq, dq_ref),
+        ("dk", dk, dk_ref),
+        ("dv", dv, dv_ref),
+    ]:
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=3e-2, rtol=3e-2, err_msg=name)
+    assert not np.asarray(out[0]).any()  # the first row has no key: zeros
+
+
+def test_tpu_automatic_call_runs_splash(monkeypatch):
+    """A (simulated) TPU's automatic call runs splash (in interpret mode here) = dense."""
+    on_backend(monkeypatch, "tpu")
+    calls = count_calls(monkeypatch, splash_adapter, interpret=True)
+    q, k, v = qkv(t=128, batch=1, dtype=jnp.float32)
+    out = jattn.dot_product_attention(q, k, v, is_causal=True)
+    assert calls == [1]
+    ref = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Explicit names: interpret mode, and every refusal
+# ----------------------------------------------------------------------------------------
+
+PALLAS = ("splash", "pallas_triton")
+
+
+@pytest.mark.parametrize("name", PALLAS)
+def test_pallas_kernels_need_their_device_or_interpret_mode(name, monkeypatch):
+    on_backend(monkeypatch, "cpu")
+    q, k, v = qkv(dtype=jnp.float32)
+    with pytest.raises(ValueError, match="set JATTN_PALLAS_INTERPRET=1 to run it") as error:
+        jattn.dot_product_attention(q, k, v, implementation=name)
+    assert "runs on " + ("TPU" if name == "splash" else "GPU") + " only" in str(error.value)
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
+    assert route_of(monkeypatch, q, k, v, implementation=name) == name
+
+
+def test_cudnn_needs_an_nvidia_gpu(monkeypatch, interpret_mode):
+    on_backend(monkeypatch, "cpu")
+    with pytest.raises(ValueError, match=r"it needs an NVIDIA GPU of compute capability >= 8\.0"):
+        jattn.dot_product_attention(*qkv(), implementation="cudnn")
+
+
+RANGE = jnp.arange(2, dtype=jnp.int32)
+# (implementation, backend, input changes, options, message fragment, what to use instead)
+REFUSALS = [
+    ("splash", "cpu", {}, dict(dropout_rate=0.1, dropout_rng=KEY), "dropout (jattn's", "'blockwise' or 'dense'"),
+    ("pallas_triton", "cpu", {}, dict(dropout_rate=0.1, dropout_rng=KEY), "dropout", "'blockwise' or 'dense'"),
+    ("splash", "cpu", {}, dict(mask=MASK), "a mask array (only causal", "'blockwise' or 'dense'"),
+    ("splash", "cpu", {}, dict(bias=jnp.zeros((64, 64))), "a bias array", "(automatic: the fastest path that can) or 'dense'."),
+    ("pallas_triton", "cpu", {}, dict(return_weights=True), "return_weights=True and module=", "or 'dense'."),
+    ("splash", "cpu", {}, einsum_hooks(), "flax's einsum hooks", "or 'dense'."),
+    ("pallas_triton", "cpu", {}, dict(scale="traced"), "a traced scale", "or 'dense'."),
+    ("cudnn", "gpu", {}, dict(scale="traced"), "a traced scale", "or 'dense'."),
+    ("splash", "cpu", dict(dtype=jnp.float16), {}, "dtype float16 (splash computes in bfloat16 or float32)", "'blockwise'"),
+    ("cudnn", "gpu", dict(dtype=jnp.float32), {}, "dtype float32 (cuDNN computes in bfloat16 or float16)", "'blockwise'"),
+    ("cudnn", "gpu", dict(dim=36), {}, "head_dim 36 (cuDNN takes multiples of 8 up to 256", "'blockwise'"),
+    ("cudnn", "gpu", {}, dict(query_segment_ids=jnp.zeros((2, 64), jnp.int32)), "segment ids", "'blockwise'"),
+    ("splash", "cpu", {}, dict(return_residual=True), "return_residual=True (splash does not return its log-sum-exp)", "'blockwise'"),
+    ("cudnn", "gpu", {}, dict(return_residual=True), "return_residual=True (cudnn does not return its log-sum-exp)", "'blockwise'"),
+    ("splash", "cpu", {}, dict(precision="highest"), "precision='highest' (the kernel picks its own matmul precision)", "'blockwise'"),
+    ("pallas_triton", "cpu", {}, dict(local_window_size=(4, 4)), "local_window_size", "'blockwise'"),
+    ("pallas_triton", "cpu", {}, dict(query_segment_ids=jnp.zeros((2, 64), jnp.int32), key_value_segment_ids=jnp.zeros((2, 64), jnp.int32)), "separate key_value_segment_ids", "'blockwise'"),
+    ("pallas_triton", "cpu", {}, dict(query_seq_lengths=RANGE), "", ""),  # accepted
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "inputs", "options", "reason", "instead"),
+    REFUSALS,
+    ids=[f"{r[0]}-{r[4][:24] or 'accepted'}" for r in REFUSALS],
+)
+def test_explicit_kernel_refusals(name, backend, inputs, options, reason, instead, monkeypatch):
+    """The whole message: which option the kernel lacks, and what to use instead."""
+    on_backend(monkeypatch, backend)
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")  # past the device check on CPU
+    q, k, v = qkv(**inputs)
+    if options.get("scale") == "traced":
+
+        def call(scale):
+            return jattn.dot_product_attention(q, k, v, scale=scale, implementation=name)
+
+        def attempt():
+            jax.jit(call)(0.5)
+    else:
+
+        def attempt():
+            route_of(monkeypatch, q, k, v, implementation=name, **options)
+
+    if not reason:
+        attempt()
+        return
+    with pytest.raises(ValueError) as error:
+        attempt()
+    message = str(error.value)
+    assert message.startswith(f"implementation={name!r} cannot be used here: {reason}"), message
+    assert message.endswith(".") and instead in message.split(". Use ")[-1], message
+    assert "implementation=None (automatic" in message
+
+
+def test_self_attention_segment_ids_are_one_array_for_pallas_triton(monkeypatch, interpret_mode):
+    """One id array (or the same array passed twice) is what the Triton kernel takes."""
+    on_backend(monkeypatch, "cpu")
+    q, k, v = qkv(dtype=jnp.float32)
+    ids = jnp.zeros((2, 64), jnp.int32)
+    for options in (
+        dict(query_segment_ids=ids),
+        dict(query_segment_ids=ids, key_value_segment_ids=ids),
+    ):
+        assert (
+            route_of(monkeypatch, q, k, v, implementation="pallas_triton", **options)
+            == "pallas_triton"
+        )
+
+
+def test_jattn_paths_name_their_alternative():
+    q, k, v = qkv(dtype=jnp.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"\. Use implementation=None \(automatic: the fastest path that can\) or 'dense'\.$",
+    ):
+        jattn.dot_product_attention(q, k, v, bias=jnp.zeros((64, 64)), implementation="blockwise")
+
+
+# ----------------------------------------------------------------------------------------
+# The modules and the KV cache route through the same table
+# ----------------------------------------------------------------------------------------
+
+
+def decode_step(implementation):
+    """One KV-cache decoding step (prefill 5 tokens, then attend one) with ``implementation``.
+
+    Jitted afresh each time (one compile instead of many eager ops; a new trace routes anew).
+    """
+
+    def step(q, k, v):
+        cache = kvcache.init_cache(2, 8, 2, 32)
+        _, cache = kvcache.update_and_attend(cache, q[:, :5], k[:, :5], v[:, :5])
+        out, _ = kvcache.update_and_attend(
+            cache, q[:, 5:], k[:, 5:], v[:, 5:], implementation=implementation
+        )
+        return out
+
+    return jax.jit(step)(*qkv(t=6, dtype=jnp.float32))
+
+
+def test_decoding_falls_back_automatically(monkeypatch):
+    """The cache's decode mask is a mask array: every kernel refuses it, jattn's paths run."""
+    expected = decode_step("dense")
+    reference = jattn.dot_product_attention(*qkv(t=6, dtype=jnp.float32), is_causal=True)
+    np.testing.assert_allclose(expected, reference[:, 5:], atol=1e-5)
+    chosen, real = [], _routing.choose
+    monkeypatch.setattr(_routing, "choose", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    for backend in ("tpu", "gpu"):
+        on_backend(monkeypatch, backend)
+        chosen.clear()
+        np.testing.assert_allclose(decode_step(None), expected, atol=1e-6)
+        assert chosen == ["dense", "dense"], (backend, chosen)  # prefill and step
+
+
+@pytest.mark.parametrize("name", PALLAS)
+def test_decoding_with_an_explicit_kernel_is_refused(name, interpret_mode):
+    with pytest.raises(
+        ValueError, match=f"implementation='{name}' cannot be used here: a mask array"
+    ):
+        decode_step(name)
+
+
+def test_modules_route_through_the_same_table(interpret_mode):
+    """NNX MultiHeadAttention(attention_implementation='splash') runs splash; decoding is refused."""
+    x = jax.random.normal(jax.random.key(1), (2, 8, 6))
+
+    def module(implementation):
+        return jn.MultiHeadAttention(
+            6, 8, 8, 0.0, 2, attention_implementation=implementation, rngs=nnx.Rngs(0)
+        )
+
+    forward = nnx.jit(lambda m, x: m(x))  # one compile, not many eager ops
+    splash = module("splash")
+    np.testing.assert_allclose(forward(splash, x), forward(module("dense"), x), atol=1e-5)
+    splash.init_cache((2, 8, 6))
+    with pytest.raises(
+        ValueError, match="implementation='splash' cannot be used here: a mask array"
+    ):
+        splash(x[:, :3], decode=True)
