@@ -49,12 +49,44 @@ class Route(NamedTuple):
     run: Callable[..., tuple]  # (q, k, v, ops, settings, extras) -> (out, weights, residual)
 
 
+def _custom_vjp_obstacle(*arrays) -> str | None:
+    """Why the custom VJP cannot serve the autodiff applied to ``arrays`` (None: it can).
+
+    Walks each array's tracers from the outermost transformation inward. A custom VJP
+    serves reverse mode (``jax.grad``) and forward mode *over* it (``jax.hessian``), but not
+    forward mode applied to the call itself (``jax.jvp``, ``jax.jacfwd``), nor reverse
+    mode of reverse mode (``jax.grad(jax.grad(f))``: blockwise's backward pass loops over a
+    dynamic number of tiles, the kernels' are kernels). The blockwise path and every kernel
+    have a custom VJP. Only transformations traced around this call are visible:
+    ``jax.jvp(jax.jit(f))`` is not (JAX then raises its own error).
+    """
+    for x in arrays:
+        kinds = []  # "jvp" / "lin" (linearize: reverse mode), outermost first
+        while isinstance(x, jax.core.Tracer):
+            # Tracer classes are matched by name: jax exports no stable type for linearize's.
+            kind = {"JVPTracer": "jvp", "LinearizeTracer": "lin"}.get(type(x).__name__)
+            if kind:
+                kinds.append(kind)
+            x = x.primal if hasattr(x, "primal") else getattr(x, "val", None)
+        if kinds[:1] == ["jvp"]:
+            return (
+                "forward-mode autodiff (jax.jvp, jax.jacfwd) is applied to this call, and the "
+                "path has a custom VJP (reverse mode only)"
+            )
+        if kinds.count("lin") > 1:
+            return (
+                "reverse mode is nested (jax.grad of jax.grad), and the path's custom "
+                "backward pass cannot itself be differentiated in reverse mode"
+            )
+    return None
+
+
 def _dense_run(query, key, value, ops, settings, extras):
     return dense.attention(query, key, value, ops, settings, extras)
 
 
 def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: DenseExtras):
-    autodiff = blockwise.autodiff_obstacle(query, key, value)
+    autodiff = _custom_vjp_obstacle(query, key, value)
     if autodiff is not None:
         return autodiff
     needed = extras.needed()
@@ -118,6 +150,8 @@ def _kernel_obstacle(name: str):
         )
         if reason is None:
             reason = extras.needed()  # flax's einsum hooks
+        if reason is None:
+            reason = _custom_vjp_obstacle(query, key, value)  # every kernel has a custom VJP
         if reason is None and settings.return_residual and not module.RETURNS_LSE:
             reason = f"return_residual=True ({name} does not return its log-sum-exp)"
         if reason is None and not _default_precision(settings.precision):

@@ -652,37 +652,6 @@ def _mask_operand(mask: Array, batch: tuple[int, ...], num_heads: int, k_heads: 
     return mask
 
 
-def autodiff_obstacle(*arrays) -> str | None:
-    """Why the custom VJP cannot serve the autodiff applied to ``arrays`` (None: it can).
-
-    Walks each array's tracers from the outermost transformation inward. A custom VJP
-    serves reverse mode (``jax.grad``) and forward mode *over* it (``jax.hessian``), but not
-    forward mode applied to the call itself (``jax.jvp``, ``jax.jacfwd``), nor reverse
-    mode of reverse mode (``jax.grad(jax.grad(f))``: the backward pass loops over a dynamic
-    number of tiles). Only transformations traced around this call are visible:
-    ``jax.jvp(jax.jit(f))`` is not (JAX then raises its own error).
-    """
-    for x in arrays:
-        kinds = []  # "jvp" / "lin" (linearize: reverse mode), outermost first
-        while isinstance(x, jax.core.Tracer):
-            # Tracer classes are matched by name: jax exports no stable type for linearize's.
-            kind = {"JVPTracer": "jvp", "LinearizeTracer": "lin"}.get(type(x).__name__)
-            if kind:
-                kinds.append(kind)
-            x = x.primal if hasattr(x, "primal") else getattr(x, "val", None)
-        if kinds[:1] == ["jvp"]:
-            return (
-                "forward-mode autodiff (jax.jvp, jax.jacfwd) is applied to this call, and the "
-                "blockwise path has a custom VJP (reverse mode only)"
-            )
-        if kinds.count("lin") > 1:
-            return (
-                "reverse mode is nested (jax.grad of jax.grad), and the blockwise path's "
-                "backward pass cannot itself be differentiated in reverse mode"
-            )
-    return None
-
-
 def blockwise_attention(
     query: Array,
     key: Array,

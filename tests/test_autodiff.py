@@ -85,7 +85,7 @@ def test_hessian_vector_product_runs_on_blockwise_and_equals_dense(inputs):
     ],
 )
 def test_explicit_blockwise_refuses_what_its_custom_vjp_cannot_do(inputs, transform, excerpt):
-    with pytest.raises(ValueError, match=f"{excerpt}.*Use implementation='dense'"):
+    with pytest.raises(ValueError, match=f"{excerpt}.*Use implementation=None .* or 'dense'"):
         transform(_attention("blockwise"), inputs[0])
 
 

@@ -427,3 +427,19 @@ def test_modules_route_through_the_same_table(interpret_mode):
         ValueError, match="implementation='splash' cannot be used here: a mask array"
     ):
         splash(x[:, :3], decode=True)
+
+
+def test_forward_mode_autodiff_keeps_the_kernels_out(monkeypatch):
+    # Every kernel has a custom VJP: under jax.jvp the automatic rule must skip cuDNN (and
+    # blockwise) for the dense path, which supports forward mode.
+    on_backend(monkeypatch, "gpu")
+    q, k, v = qkv()
+    names = []
+
+    def f(x):
+        names.append(route_of(monkeypatch, x, k, v, is_causal=True))
+        return x
+
+    jax.jvp(f, (q,), (q,))
+    assert names == ["dense"]
+    assert route_of(monkeypatch, q, k, v, is_causal=True) == "cudnn"
