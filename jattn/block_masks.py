@@ -149,7 +149,7 @@ def _states(mask_mod, n: int, heads: int, q_len, kv_len, bq, bk) -> Array:
         mask = jnp.broadcast_to(
             mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (n, heads, bq, nk * bk)
         )
-        valid = (q_pos < q_len)[:, None] & kv_valid[None, :]  # [bq, Tk_pad]
+        valid = ((q_pos < q_len)[:, None] & kv_valid[None, :])[None, None]  # [1, 1, bq, Tk_pad]
         # [n, heads, bq, nk, bk] reduced over the tile's rows and keys -> [n, heads, nk]
         shown = (mask & valid).reshape(n, heads, bq, nk, bk).any(axis=(2, 4))
         all_shown = (mask | ~valid).reshape(n, heads, bq, nk, bk).all(axis=(2, 4))
