@@ -487,17 +487,14 @@ def score_mod(fn, logits_shape: tuple[int, ...], dtype) -> None:
         _elementwise_shape(out, "score_mod", shape)
 
 
-def mask_mod(fn, logits_shape: tuple[int, ...]):
+def mask_mod(fn, logits_shape: tuple[int, ...]) -> None:
     """A ``mask_mod(b, h, q_idx, kv_idx)`` returning booleans broadcastable to the scores.
 
-    Returns:
-      The abstract output (``jax.ShapeDtypeStruct``) for the call's ``[N, H, Tq, Tk]``, or
-      None when ``fn`` is None.
+    Traced once per shape of :func:`_modifier_shapes` on abstract inputs (no compute).
     """
     if fn is None:
-        return None
+        return
     _modifier_signature(fn, "mask_mod")
-    outs = []
     for shape in _modifier_shapes(logits_shape):
         out = _trace_modifier(fn, "mask_mod", _index_structs(shape))
         if out.dtype != jnp.bool_:
@@ -506,8 +503,6 @@ def mask_mod(fn, logits_shape: tuple[int, ...]):
                 "compare instead, e.g. q_idx >= kv_idx."
             )
         _elementwise_shape(out, "mask_mod", shape)
-        outs.append(out)
-    return outs[0]
 
 
 def modifier_sizes(fn, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> None:
@@ -586,22 +581,3 @@ def _same_modifier(a, b) -> bool:
     except Exception:
         return False
 
-
-def block_mask_varies(value, mask_out, logits_shape: tuple[int, ...]) -> None:
-    """Refuses a block mask built for one batch row / head when ``mask_mod`` varies over them.
-
-    Args:
-      value: the validated block mask (or None).
-      mask_out: ``mask_mod``'s abstract output for the call (from :func:`mask_mod`).
-      logits_shape: ``[batch..., H, Tq, Tk]``.
-    """
-    if value is None or mask_out is None:
-        return
-    *batch, num_heads, _, _ = logits_shape
-    out = (1,) * (4 - len(mask_out.shape)) + tuple(mask_out.shape)
-    for axis, size, name in ((0, math.prod(batch), "batch_shape"), (1, num_heads, "num_heads")):
-        if size > 1 and out[axis] == size and value.state.shape[axis] == 1:
-            raise ValueError(
-                f"block_mask was built without {name} but its mask_mod varies over the "
-                f"{'batch' if axis == 0 else 'heads'}: build it with {name}= of the call."
-            )

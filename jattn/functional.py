@@ -129,8 +129,7 @@ def _modifiers(logits_shape, score_mod, mask_mod, sinks, block_mask, dtype):
     sizes = (math.prod(batch), num_heads, q_len, kv_len)
     mask_mod, block_mask = _checks.block_mask(block_mask, mask_mod, logits_shape)
     _checks.score_mod(score_mod, logits_shape, dense.softmax_dtype(dtype))
-    mask_out = _checks.mask_mod(mask_mod, logits_shape)
-    _checks.block_mask_varies(block_mask, mask_out, logits_shape)
+    _checks.mask_mod(mask_mod, logits_shape)
     for fn in (score_mod, mask_mod):
         _checks.modifier_sizes(fn, *sizes)
     return score_mod, mask_mod, _checks.sinks(sinks, num_heads), block_mask

@@ -530,7 +530,8 @@ def sliding_window(left: int, right: int | None = 0) -> SlidingWindow:
     ``sliding_window(w)`` is causal attention to the last ``w`` keys and the query itself
     (as ``local_window_size=(w, 0)``); ``right=None`` removes the bound on the right.
     """
-    left, right = _checks.window((left, right), "sliding_window (left, right)", open_right=True)
+    left = _checks.size(left, "sliding_window left", allow_zero=True)
+    right = None if right is None else _checks.size(right, "sliding_window right", allow_zero=True)
     return SlidingWindow(left, right)
 
 
