@@ -23,7 +23,7 @@ from jax.test_util import check_grads
 from reference import np_flex_attention
 
 import jattn
-from jattn import _closure, block_masks, mods
+from jattn import _closure, mods
 
 dpa = jattn.dot_product_attention
 
@@ -681,6 +681,3 @@ def test_hoisted_constants_get_gradients_through_a_custom_vjp_under_grad_of_jit(
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
-
-def test_block_masks_module_states_constants():
-    assert (block_masks.EMPTY, block_masks.PARTIAL, block_masks.FULL) == (0, 1, 2)
