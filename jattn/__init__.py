@@ -6,7 +6,8 @@ modules are the submodules ``jattn.linen`` and ``jattn.nnx``.
 
 import importlib
 
-from jattn import book, causality, masks
+from jattn import book, causality, masks, mods
+from jattn.block_masks import BlockMask, block_mask
 from jattn.functional import (
     dot_product_attention,
     dot_product_attention_weights,
@@ -42,6 +43,8 @@ def __getattr__(name):
 
 
 __all__ = [
+    "BlockMask",
+    "block_mask",
     "book",
     "causal_mask",
     "causality",
@@ -53,6 +56,7 @@ __all__ = [
     "lengths_to_valid",
     "mask_to_bias",
     "masks",
+    "mods",
     "padding_mask",
     "padding_mask_from_lengths",
     "segment_mask",

@@ -35,6 +35,10 @@ class Operands(NamedTuple):
         object as ``q_segments`` when the caller gave one id array for both).
       dropout_rate: drop probability (a float, or a traced scalar).
       dropout_rng: a ``jax.random`` key, or None when dropout is off.
+      sinks: float ``[H]``: per-head attention-sink logits (one extra logit in each row's
+        softmax that takes probability mass and contributes no value), or None.
+      block_mask: a :class:`jattn.BlockMask` (tile states of ``Settings.mask_mod``, a
+        pytree), or None.
     """
 
     scale: float | Array
@@ -46,6 +50,8 @@ class Operands(NamedTuple):
     kv_segments: Array | None = None
     dropout_rate: float | Array = 0.0
     dropout_rng: Array | None = None
+    sinks: Array | None = None
+    block_mask: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +64,14 @@ class Settings:
       dropout_shared: ``(over_batch, over_heads)``: axes that share one dropout mask.
       precision: ``jax.lax.Precision`` of the products.
       return_residual: also return the log-sum-exp ``[batch..., Tq, H]`` (float32+).
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled logits, or None.
+      mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), or None; with a
+        block mask, the block mask's.
+
+    The modifiers are static here: arrays they close over (ALiBi slopes, a bias table,
+    segment ids) are constants of their trace, so a path that wraps the attention in a
+    ``custom_vjp`` must hoist them into explicit operands first to keep their gradients
+    (:func:`jattn._closure.hoist`).
     """
 
     is_causal: bool = False
@@ -65,6 +79,8 @@ class Settings:
     dropout_shared: tuple[bool, bool] = (False, False)
     precision: Any = None
     return_residual: bool = False
+    score_mod: Any = None
+    mask_mod: Any = None
 
 
 class DenseExtras(NamedTuple):

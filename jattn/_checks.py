@@ -13,6 +13,7 @@ the traced alternatives are ``jax.experimental.checkify`` and :func:`jattn.kvcac
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
@@ -395,3 +396,193 @@ def segment_ids(
     # Self-attention ids come back as one object: kernels that take a single id array (the
     # Pallas Triton kernel) tell them from separate key/value ids by identity.
     return out[0], (out[0] if kv_ids is query_ids else out[1])
+
+
+# ----------------------------------------------------------------------------------------
+# Modifiers: score_mod, mask_mod, sinks, block_mask (see jattn.mods)
+# ----------------------------------------------------------------------------------------
+
+_SIGNATURES = {"score_mod": "(score, b, h, q_idx, kv_idx)", "mask_mod": "(b, h, q_idx, kv_idx)"}
+
+
+def _modifier_signature(fn, name: str) -> None:
+    """``fn`` is callable with FlexAttention's positional arguments for ``name``."""
+    args = _SIGNATURES[name]
+    if not callable(fn):
+        raise TypeError(
+            f"{name} must be a function {args} -> {'scores' if name == 'score_mod' else 'bool'}"
+            f" (as FlexAttention's {name}), got {type(fn).__name__}."
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # e.g. some builtins: the trace below still checks it
+        return
+    try:
+        signature.bind(*range(args.count(",") + 1))
+    except TypeError:
+        raise TypeError(
+            f"{name} must take {args.count(',') + 1} positional arguments {args} (FlexAttention's "
+            f"signature), but it is {getattr(fn, '__name__', type(fn).__name__)}{signature}."
+        ) from None
+
+
+def _index_structs(shape: tuple[int, int, int, int]) -> list:
+    n, h, q_len, kv_len = shape
+    shapes = ((n, 1, 1, 1), (1, h, 1, 1), (1, 1, q_len, 1), (1, 1, 1, kv_len))
+    return [jax.ShapeDtypeStruct(s, jnp.int32) for s in shapes]
+
+
+def _trace_modifier(fn, name: str, args: list):
+    """``jax.eval_shape(fn, *args)``, with a failure turned into an error naming ``name``."""
+    described = ", ".join(
+        f"{arg_name} {a.dtype}{list(a.shape)}"
+        for arg_name, a in zip(_SIGNATURES[name][1:-1].split(", "), args, strict=True)
+    )
+    try:
+        out = jax.eval_shape(fn, *args)
+    except Exception as e:
+        cls = ValueError if isinstance(e, ValueError) else TypeError
+        raise cls(
+            f"{name} failed when traced on abstract inputs ({described}): {type(e).__name__}: {e}"
+        ) from e
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise TypeError(f"{name} must return one array, got {type(out).__name__}.")
+    return out
+
+
+def _elementwise_shape(out, name: str, shape: tuple[int, ...]) -> None:
+    try:
+        ok = len(out.shape) <= 4 and np.broadcast_shapes(out.shape, shape) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} must be elementwise: called on scores of shape {tuple(shape)} it returned "
+            f"shape {tuple(out.shape)}, which does not broadcast to it. Index the arrays it "
+            "closes over with b, h, q_idx, kv_idx (e.g. table[h, q_idx, kv_idx]) instead of "
+            "using them whole; for a dense [q_len, kv_len] array pass bias= or mask=."
+        )
+
+
+def _modifier_shapes(shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """The call's ``[N, H, Tq, Tk]`` and a one-pair tile ``[N, H, 1, 1]`` (the blockwise
+    path calls modifiers on tiles, so they must not depend on the full lengths)."""
+    *batch, num_heads, q_len, kv_len = shape
+    n = math.prod(batch)
+    full = (n, num_heads, q_len, kv_len)
+    return [full] if (q_len, kv_len) == (1, 1) else [full, (n, num_heads, 1, 1)]
+
+
+def score_mod(fn, logits_shape: tuple[int, ...], dtype) -> None:
+    """A ``score_mod(score, b, h, q_idx, kv_idx)`` returning floats of the scores' shape.
+
+    Traced once per shape of :func:`_modifier_shapes` on abstract inputs (no compute).
+    """
+    if fn is None:
+        return
+    _modifier_signature(fn, "score_mod")
+    for shape in _modifier_shapes(logits_shape):
+        score = jax.ShapeDtypeStruct(shape, dtype)
+        out = _trace_modifier(fn, "score_mod", [score, *_index_structs(shape)])
+        if not jnp.issubdtype(out.dtype, jnp.floating):
+            raise TypeError(
+                f"score_mod must return floating scores (the modified logits), got dtype "
+                f"{out.dtype}."
+            )
+        _elementwise_shape(out, "score_mod", shape)
+
+
+def mask_mod(fn, logits_shape: tuple[int, ...]) -> None:
+    """A ``mask_mod(b, h, q_idx, kv_idx)`` returning booleans broadcastable to the scores.
+
+    Traced once per shape of :func:`_modifier_shapes` on abstract inputs (no compute).
+    """
+    if fn is None:
+        return
+    _modifier_signature(fn, "mask_mod")
+    for shape in _modifier_shapes(logits_shape):
+        out = _trace_modifier(fn, "mask_mod", _index_structs(shape))
+        if out.dtype != jnp.bool_:
+            raise TypeError(
+                f"mask_mod must return booleans (True = attend), got dtype {out.dtype}; "
+                "compare instead, e.g. q_idx >= kv_idx."
+            )
+        _elementwise_shape(out, "mask_mod", shape)
+
+
+def modifier_sizes(fn, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> None:
+    """Lets a ready-made modifier (:mod:`jattn.mods`) check its arrays against the call."""
+    check = getattr(fn, "check_shapes", None)
+    if fn is not None and check is not None:
+        check(batch_size=batch_size, num_heads=num_heads, q_len=q_len, kv_len=kv_len)
+
+
+def sinks(value, num_heads: int) -> Array | None:
+    """Attention-sink logits: float ``[num_heads]`` (None passes)."""
+    if value is None:
+        return None
+    try:
+        value = jnp.asarray(value)
+    except TypeError:
+        raise TypeError(
+            f"sinks must be a float array of per-head logits [num_heads], got "
+            f"{type(value).__name__}."
+        ) from None
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"sinks must be a float array of per-head logits [num_heads], got dtype {value.dtype}."
+        )
+    if value.shape != (num_heads,):
+        raise ValueError(
+            f"sinks must have shape [num_heads] = ({num_heads},) (one logit per query head), "
+            f"got {value.shape}."
+        )
+    return value
+
+
+def block_mask(value, mask_mod_fn, logits_shape: tuple[int, ...]):
+    """A :class:`jattn.BlockMask` that fits the call; returns ``(mask_mod, block_mask)``.
+
+    The block mask carries its ``mask_mod``: ``mask_mod=`` may be omitted, or must be the
+    same function.
+    """
+    if value is None:
+        return mask_mod_fn, None
+    from jattn import block_masks  # lazy: block_masks imports this module
+
+    if not isinstance(value, block_masks.BlockMask):
+        raise TypeError(
+            "block_mask must be built by jattn.block_mask(mask_mod, q_len=..., ...), got "
+            f"{type(value).__name__}. For a dense boolean array use mask=."
+        )
+    if mask_mod_fn is not None and not _same_modifier(mask_mod_fn, value.mask_mod):
+        raise ValueError(
+            "mask_mod and block_mask disagree: the block mask carries the mask_mod it was "
+            "built from. Pass block_mask= alone (or with that same mask_mod); to AND more "
+            "masks, build the block mask from jattn.mods.and_masks(...)."
+        )
+    *batch, num_heads, q_len, kv_len = logits_shape
+    if (value.q_len, value.kv_len) != (q_len, kv_len):
+        raise ValueError(
+            f"block_mask was built for q_len={value.q_len}, kv_len={value.kv_len} but the call "
+            f"has q_len={q_len}, kv_len={kv_len}."
+        )
+    rows, heads = value.state.shape[:2]
+    n = math.prod(batch)
+    if rows not in (1, n) or heads not in (1, num_heads):
+        raise ValueError(
+            f"block_mask was built for batch {rows} and {heads} heads but the call has a "
+            f"(flattened) batch of {n} and {num_heads} heads: build it with batch_shape= and "
+            "num_heads= of the call (or without them, for a mask the same for every row/head)."
+        )
+    return value.mask_mod, value
+
+
+def _same_modifier(a, b) -> bool:
+    if a is b:
+        return True
+    try:  # value-equal ready-made masks (causal() == causal()); arrays compare by identity
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+

@@ -96,7 +96,25 @@ def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: Dens
         return "a bias array is added densely (it is [q_len, kv_len] already)"
     if not isinstance(ops.scale, numbers.Real):
         return f"scale must be a Python number for it, got {type(ops.scale).__name__}"
+    modifiers = _modifiers_given(ops, settings)
+    if modifiers:
+        return f"it does not take {modifiers} yet (the dense path does)"
     return None
+
+
+def _modifiers_given(ops: Operands, settings: Settings) -> str:
+    """The FlexAttention-style options of the call, named for a refusal ('' if none)."""
+    given = [
+        name
+        for name, value in (
+            ("score_mod", settings.score_mod),
+            ("mask_mod", None if ops.block_mask is not None else settings.mask_mod),
+            ("sinks", ops.sinks),
+            ("block_mask", ops.block_mask),
+        )
+        if value is not None
+    ]
+    return ", ".join(given)
 
 
 def _blockwise_run(query, key, value, ops, settings, extras):

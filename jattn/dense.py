@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn import _prng
+from jattn import _prng, mods
 from jattn import masks as masks_lib
 from jattn._call import DenseExtras, Operands, Settings
 
@@ -56,6 +56,8 @@ def combined_mask(ops: Operands, settings: Settings, shape: tuple[int, ...]) -> 
         parts.append(masks_lib.padding_mask(key_valid=valid))
     if ops.q_segments is not None:
         parts.append(masks_lib.segment_mask(ops.q_segments, ops.kv_segments))
+    if settings.mask_mod is not None:
+        parts.append(mods.evaluate_mask_mod(settings.mask_mod, shape))
     mask = masks_lib.combine_masks(*parts)
     return None if mask is None else expand_rank(mask, len(shape))
 
@@ -74,7 +76,8 @@ def _repeat_kv(x: Array, num_heads: int) -> Array:
 
 
 def _logits(query, key, ops: Operands, settings: Settings, extras: DenseExtras) -> Array:
-    """Scaled logits ``[batch..., H, Tq, Tk]`` in the softmax dtype, bias added."""
+    """Scaled logits ``[batch..., H, Tq, Tk]`` in the softmax dtype, ``score_mod`` applied,
+    then the bias added (a mask given as a bias stays a mask whatever the modifier)."""
     *batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[-2]
     sm_dtype = softmax_dtype(query.dtype)
@@ -101,6 +104,8 @@ def _logits(query, key, ops: Operands, settings: Settings, extras: DenseExtras) 
             preferred_element_type=sm_dtype,
         ).reshape(shape)
         logits = logits * jnp.asarray(ops.scale, sm_dtype)
+    if settings.score_mod is not None:
+        logits = mods.apply_score_mod(settings.score_mod, logits)
     if ops.bias is not None:
         logits = logits + expand_rank(ops.bias, len(shape)).astype(sm_dtype)
     return logits
@@ -108,13 +113,16 @@ def _logits(query, key, ops: Operands, settings: Settings, extras: DenseExtras) 
 
 def weights_and_lse(query, key, ops: Operands, settings: Settings, extras: DenseExtras = NO_EXTRAS):
     """Softmax weights ``[batch..., H, Tq, Tk]`` (softmax dtype, no dropout) and the
-    log-sum-exp ``[batch..., H, Tq]`` of the masked logits.
+    log-sum-exp ``[batch..., H, Tq]`` of the masked logits (and the sink, when given).
 
     A query that may attend nothing gets zero weights (PyTorch SDPA semantics, where
-    ``jax.nn`` averages) and a log-sum-exp of :func:`jattn.large_negative`.
+    ``jax.nn`` averages) and a log-sum-exp of :func:`jattn.large_negative` (with sinks:
+    its sink's logit, the one term left in its softmax).
     """
     logits = _logits(query, key, ops, settings, extras)
     mask = combined_mask(ops, settings, logits.shape)
+    if ops.sinks is not None:
+        return _weights_with_sinks(logits, mask, ops.sinks)
     if mask is None:
         return jax.nn.softmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1)
     neg = masks_lib.large_negative(logits.dtype)
@@ -125,6 +133,37 @@ def weights_and_lse(query, key, ops: Operands, settings: Settings, extras: Dense
     weights = jnp.where(row_has_key[..., None], jax.nn.softmax(logits, axis=-1), 0.0)
     lse = jnp.where(row_has_key, jax.nn.logsumexp(logits, axis=-1), neg)
     return weights, lse
+
+
+def _weights_with_sinks(logits: Array, mask: Array | None, sinks: Array):
+    """Softmax over each row's keys plus one sink logit per head (gpt-oss's attention sinks).
+
+    ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink_h))``: the sink takes probability mass
+    and contributes no value, so the weights of the real keys sum to ``1 - p_sink``.
+
+    Args:
+      logits: ``[batch..., H, Tq, Tk]`` in the softmax dtype.
+      mask: bool broadcastable to ``logits`` (True = attend), or None.
+      sinks: float ``[H]``.
+
+    Returns:
+      ``(weights [batch..., H, Tq, Tk], lse [batch..., H, Tq])``, the log-sum-exp over the
+      visible keys and the sink (the sink alone in a fully masked row, whose weights are 0).
+    """
+    # [H] -> [1..., H, 1]: against the per-row max and sum [batch..., H, Tq]
+    sink = expand_rank(sinks.astype(logits.dtype)[:, None], logits.ndim - 1)
+    if mask is not None:
+        logits = jnp.where(mask, logits, masks_lib.large_negative(logits.dtype))
+    # The softmax is unchanged by the shift; stopping its gradient is exact (as logsumexp).
+    shift = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1), sink))
+    exp = jnp.exp(logits - shift[..., None])
+    if mask is not None:
+        exp = jnp.where(mask, exp, 0.0)  # a masked key counts for nothing, even in a row of them
+    # Every row's sum is >= 1: the largest of its visible logits and its sink is the shift.
+    # (A sink of -inf over a fully masked row would give 0: kept finite below.)
+    total = jnp.sum(exp, axis=-1) + jnp.exp(sink - shift)
+    total = jnp.where(total > 0, total, 1.0)
+    return exp / total[..., None], shift + jnp.log(total)
 
 
 def dropout_weights(weights: Array, ops: Operands, settings: Settings) -> Array:

@@ -15,6 +15,7 @@ imports Flax (the dense path imports it lazily only to *sow* weights into a modu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -68,8 +69,12 @@ def _operands_and_settings(
     logits_shape, *, scale, head_dim, bias, mask, is_causal, query_seq_lengths,
     key_value_seq_lengths, local_window_size, query_segment_ids, key_value_segment_ids,
     dropout_rate, dropout_rng, deterministic, broadcast_dropout, precision, return_residual,
+    modifiers,
 ):  # fmt: skip
-    """Validates every option of a call and returns its :class:`Operands` and :class:`Settings`."""
+    """Validates every option of a call and returns its :class:`Operands` and :class:`Settings`.
+
+    ``modifiers`` is ``(score_mod, mask_mod, sinks, block_mask, dtype)`` (see :func:`_modifiers`).
+    """
     _checks.rate(dropout_rate)
     _checks.scale(scale)
     _checks.flag(is_causal, "is_causal")
@@ -82,6 +87,7 @@ def _operands_and_settings(
     dropout_on = _dropout_active(dropout_rate, deterministic)
     if dropout_on:
         _checks.rng(dropout_rng, "dropout_rng")
+    score_mod, mask_mod, sinks, block_mask = _modifiers(logits_shape, *modifiers)
     ops = Operands(
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
         bias=_checks.bias(bias, logits_shape),
@@ -94,6 +100,8 @@ def _operands_and_settings(
         kv_segments=kv_segments,
         dropout_rate=dropout_rate if dropout_on else 0.0,
         dropout_rng=dropout_rng if dropout_on else None,
+        sinks=sinks,
+        block_mask=block_mask,
     )
     settings = Settings(
         is_causal=bool(is_causal),
@@ -105,8 +113,26 @@ def _operands_and_settings(
         dropout_shared=shared,
         precision=precision,
         return_residual=bool(return_residual),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
     return ops, settings
+
+
+def _modifiers(logits_shape, score_mod, mask_mod, sinks, block_mask, dtype):
+    """Validates the FlexAttention-style options: ``(score_mod, mask_mod, sinks, block_mask)``.
+
+    Each modifier is traced once on abstract inputs (:func:`jattn._checks.score_mod`);
+    a block mask brings its own ``mask_mod``.
+    """
+    *batch, num_heads, q_len, kv_len = logits_shape
+    sizes = (math.prod(batch), num_heads, q_len, kv_len)
+    mask_mod, block_mask = _checks.block_mask(block_mask, mask_mod, logits_shape)
+    _checks.score_mod(score_mod, logits_shape, dense.softmax_dtype(dtype))
+    _checks.mask_mod(mask_mod, logits_shape)
+    for fn in (score_mod, mask_mod):
+        _checks.modifier_sizes(fn, *sizes)
+    return score_mod, mask_mod, _checks.sinks(sinks, num_heads), block_mask
 
 
 def _dense_extras(
@@ -176,6 +202,10 @@ def dot_product_attention(
     attn_weights_value_einsum=None,
     promote_dtype=None,
     implementation: Implementation | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    sinks=None,
+    block_mask=None,
 ):
     """Scaled dot-product attention, ``softmax(q kᵀ / sqrt(head_dim)) v``, with masks and dropout.
 
@@ -226,7 +256,8 @@ def dot_product_attention(
       measured faster, ``benchmarks/results.md``), else ``'dense'``; never a kernel.
 
     ``'blockwise'`` is skipped when the call needs the weight matrix (``return_weights=True``,
-    ``module=``), adds a ``bias`` array, has a traced ``scale`` or uses flax's einsum hooks.
+    ``module=``), adds a ``bias`` array, has a traced ``scale``, uses flax's einsum hooks or
+    a modifier (``score_mod``, ``mask_mod``, ``sinks``, ``block_mask``).
     Under forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) or nested reverse mode traced
     around the call, ``'blockwise'`` is skipped too; only ``jax.jvp(jax.jit(f))``, whose jit
     was traced beforehand, hides the transformation: pass ``implementation='dense'`` there.
@@ -268,7 +299,8 @@ def dot_product_attention(
       return_weights: also return the pre-dropout weights ``[batch..., H, q_len, kv_len]``.
       return_residual: also return the log-sum-exp of the scaled, masked logits,
         ``[batch..., q_len, num_heads]`` (jax.nn's layout) in float32 (float64 for float64
-        inputs), differentiable; rows that attend nothing get :func:`jattn.large_negative`.
+        inputs), differentiable; rows that attend nothing get :func:`jattn.large_negative`
+        (with ``sinks``: the log-sum-exp includes the sink, see Returns).
       force_fp32_for_softmax: as flax: the weights returned and sown are float32 (the
         softmax dtype) instead of ``dtype``. The softmax itself always runs in float32
         (float64 for float64 inputs).
@@ -283,18 +315,42 @@ def dot_product_attention(
       implementation: ``None`` (automatic, above), ``'dense'`` / ``'xla'``, ``'blockwise'``,
         ``'cudnn'``, ``'pallas_triton'`` or ``'splash'``. One that cannot honour the call
         raises a ValueError saying which option it lacks and what to use instead.
+      score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``,
+        applied elementwise to the scaled logits ``scale * q·k`` before ``bias`` is added
+        and before any mask (so a mask given as a large negative bias stays masked after,
+        e.g., soft-capping). Indices: see :mod:`jattn.mods` (``b`` the flattened batch
+        index, ``h`` the query head, ``q_idx``/``kv_idx`` positions, int32 arrays that
+        broadcast like the scores ``[N, H, Tq, Tk]``). Arrays it closes over get
+        gradients. Ready-made ones: :mod:`jattn.mods`.
+      mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = attend,
+        ANDed with every other mask.
+      sinks: float ``[num_heads]`` attention-sink logits (gpt-oss, StreamingLLM): one extra
+        logit per row's softmax (not scaled, not modified, not masked) that takes
+        probability mass and contributes no value; gradients flow to it. A row whose
+        every key is masked attends only its sink: zero output (and zero gradients to q,
+        k, v), as without sinks.
+      block_mask: a :class:`jattn.BlockMask` from :func:`jattn.block_mask`: its
+        ``mask_mod`` evaluated per tile once, reusable across calls (the blockwise path
+        will use it to skip tiles; the dense path applies its ``mask_mod``). It replaces
+        ``mask_mod`` (or must carry the same one).
 
     Returns:
       ``[batch..., q_len, num_heads, v_head_dim]`` in ``dtype``; with ``return_weights``
       and/or ``return_residual``, a tuple ``(output, weights?, residual?)`` in that order.
       Fully masked query rows give zero output and zero weights, with finite gradients.
+      With ``sinks`` the weights are those of the real keys: each row sums to
+      ``1 - p_sink`` (less than 1), and the residual includes the sink,
+      ``log(sum_j exp(s_j) + exp(sink_h))`` (the sink's logit in a fully masked row).
 
     Raises:
       TypeError: non-float inputs, non-boolean masks of odd dtypes, hooks that are not
-        functions.
+        functions; a ``score_mod``/``mask_mod`` that is not a function of FlexAttention's
+        arguments or returns the wrong dtype; ``sinks`` not float; a ``block_mask`` not
+        built by :func:`jattn.block_mask`.
       ValueError: shapes that do not match, masks or biases that do not broadcast, a
         dropout rate outside [0, 1), active dropout without ``dropout_rng``, an
-        ``implementation`` that cannot honour the call.
+        ``implementation`` that cannot honour the call; a modifier that is not
+        elementwise; ``sinks`` not ``[num_heads]``; a ``block_mask`` built for other sizes.
     """
     query, key, value = _checks.qkv(query, key, value)
     query, key, value = _cast_inputs((query, key, value), dtype, promote_dtype)
@@ -317,6 +373,7 @@ def dot_product_attention(
         broadcast_dropout=broadcast_dropout,
         precision=precision,
         return_residual=return_residual,
+        modifiers=(score_mod, mask_mod, sinks, block_mask, query.dtype),
     )
     extras = _dense_extras(
         dtype=query.dtype,
@@ -356,15 +413,20 @@ def dot_product_attention_weights(
     force_fp32_for_softmax: bool = False,
     einsum_dot_general=None,
     promote_dtype=None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    sinks=None,
+    block_mask=None,
 ) -> Array:
     """Attention weights ``softmax(q kᵀ * scale + bias, masked)`` with optional dropout.
 
     Takes the same arguments as :func:`dot_product_attention` (without ``value``,
     ``implementation`` and the value product's hooks: the weights are the dense
-    ``[q_len, kv_len]`` matrix) and returns the weights ``[batch..., num_heads, q_len,
-    kv_len]`` in the computation dtype (float32 with ``force_fp32_for_softmax``, as flax),
-    after dropout when dropout is active. Rows sum to 1, except fully masked rows, which
-    are all zeros.
+    ``[q_len, kv_len]`` matrix; ``score_mod``, ``mask_mod``, ``sinks`` and ``block_mask``
+    included) and returns the weights ``[batch..., num_heads, q_len, kv_len]`` in the
+    computation dtype (float32 with ``force_fp32_for_softmax``, as flax), after dropout
+    when dropout is active. Rows sum to 1, except fully masked rows, which are all zeros,
+    and rows with ``sinks``, which sum to ``1 - p_sink``.
     """
     query, key, _ = _checks.qkv(query, key, key)
     query, key = _cast_inputs((query, key, key), dtype, promote_dtype)[:2]
@@ -387,6 +449,7 @@ def dot_product_attention_weights(
         broadcast_dropout=broadcast_dropout,
         precision=precision,
         return_residual=False,
+        modifiers=(score_mod, mask_mod, sinks, block_mask, query.dtype),
     )
     extras = _dense_extras(
         dtype=query.dtype,

@@ -48,3 +48,39 @@ def np_attention(q, k, v, *, mask=None, bias=None, scale=None, return_weights=Fa
     out = np.einsum("...hts,...shd->...thd", weights, v_full)
     assert out.shape == (*batch, t, h, v.shape[-1])
     return (out, weights) if return_weights else out
+
+
+def np_flex_attention(q, k, v, *, score=None, mask=None, sinks=None, scale=None):
+    """float64 FlexAttention-style attention: ``score(s, b, h, qi, ki)`` on the scaled logits,
+    a boolean ``mask`` (True = attend, broadcastable to ``[N, H, T, S]``), per-head ``sinks``.
+
+    Inputs are ``[N, T, H, D]`` / ``[N, S, K, D]`` (one flattened batch axis). ``score`` gets
+    numpy arrays ``s [N, H, T, S]`` and index arrays ``b [N,1,1,1]``, ``h [1,H,1,1]``,
+    ``qi [1,1,T,1]``, ``ki [1,1,1,S]``. A sink is one more logit in each row's softmax with
+    no value. Returns ``(out [N, T, H, Dv], weights [N, H, T, S], lse [N, H, T])``; a row with
+    no visible key has zero weights and an lse of its sink (``-inf`` without sinks).
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    n, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    k_full = np.repeat(k, h // kh, axis=2)
+    v_full = np.repeat(v, h // kh, axis=2)
+    logits = np.einsum("nthd,nshd->nhts", q, k_full) * scale
+    if score is not None:
+        idx = np.ix_(range(n), range(h), range(t), range(s))
+        logits = np.broadcast_to(score(logits, *idx), logits.shape).astype(np.float64)
+    mask = np.ones(logits.shape, bool) if mask is None else np.broadcast_to(mask, logits.shape)
+    weights = np.zeros(logits.shape)
+    lse = np.full(logits.shape[:-1], -np.inf)
+    for bi, hi, ti in np.ndindex(n, h, t):
+        row = logits[bi, hi, ti][mask[bi, hi, ti]]
+        terms = list(row) + ([float(sinks[hi])] if sinks is not None else [])
+        if not terms:
+            continue
+        top = max(terms)
+        total = sum(np.exp(x - top) for x in terms)
+        lse[bi, hi, ti] = top + np.log(total)
+        weights[bi, hi, ti][mask[bi, hi, ti]] = np.exp(row - lse[bi, hi, ti])
+    out = np.einsum("nhts,nshd->nthd", weights, v_full)
+    return out, weights, lse
