@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, blockwise, dense, kernels
+from jattn import _checks, blockwise, dense, kernels, mods
 from jattn._call import DenseExtras, Operands, Settings
 
 Array = jax.Array
@@ -144,9 +144,33 @@ def _default_precision(precision) -> bool:
         return False
 
 
+# The kernels that soft-cap the logits natively (splash's attn_logits_soft_cap): they take
+# a bare jattn.mods.softcap score_mod; every kernel refuses any other modifier.
+NATIVE_SOFTCAP = ("splash",)
+
+
+def _kernel_softcap(name: str, settings: Settings) -> float | None:
+    """The cap of a bare ``mods.softcap`` score_mod, for the kernel that soft-caps natively."""
+    return mods.native_softcap(settings.score_mod) if name in NATIVE_SOFTCAP else None
+
+
+def _kernel_modifiers(name: str, ops: Operands, settings: Settings) -> str | None:
+    """Why the kernel cannot take the call's modifiers (None: it can)."""
+    given = _modifiers_given(ops, settings)
+    if _kernel_softcap(name, settings) is not None:
+        given = ", ".join(g for g in given.split(", ") if g != "score_mod")
+    if not given:
+        return None
+    native = " (only a bare jattn.mods.softcap(cap) score_mod)" if name in NATIVE_SOFTCAP else ""
+    return f"{name} does not take {given}{native}"
+
+
 def _kernel_obstacle(name: str):
     def obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
         module = kernels.adapter(name)
+        modifiers = _kernel_modifiers(name, ops, settings)
+        if modifiers is not None:
+            return modifiers
         reason = module.obstacle(
             backend=jax.default_backend(),
             interpret=_interpret(module),
@@ -162,7 +186,7 @@ def _kernel_obstacle(name: str):
             separate_kv_segments=ops.kv_segments is not ops.q_segments,
             dropout=ops.dropout_rng is not None,
             return_weights=extras.return_weights or extras.module is not None,
-            softcap=None,
+            softcap=_kernel_softcap(name, settings),
             v_head_dim=value.shape[-1],
             traced_scale=isinstance(ops.scale, jax.core.Tracer),
         )
@@ -196,7 +220,7 @@ def _kernel_run(name: str):
                 kv_lengths=ops.kv_lengths,
                 q_segments=ops.q_segments,
                 kv_segments=ops.kv_segments,
-                softcap=None,
+                softcap=_kernel_softcap(name, settings),
                 interpret=interpret,
             )
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jattn
-from jattn import _routing, kernels, kvcache
+from jattn import _routing, kernels, kvcache, mods
 from jattn import nnx as jn
 from jattn.kernels import cudnn as cudnn_adapter
 from jattn.kernels import splash as splash_adapter
@@ -443,3 +443,30 @@ def test_forward_mode_autodiff_keeps_the_kernels_out(monkeypatch):
     jax.jvp(f, (q,), (q,))
     assert names == ["dense"]
     assert route_of(monkeypatch, q, k, v, is_causal=True) == "cudnn"
+
+
+def test_splash_takes_a_bare_softcap_and_kernels_refuse_other_modifiers(
+    monkeypatch, interpret_mode
+):
+    q, k, v = qkv(t=128, dtype=jnp.float32)
+    cap = mods.softcap(2.0)
+    got = jattn.dot_product_attention(
+        q, k, v, is_causal=True, score_mod=cap, implementation="splash"
+    )
+    ref = jattn.dot_product_attention(
+        q, k, v, is_causal=True, score_mod=cap, implementation="dense"
+    )
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+    slopes = mods.alibi_slopes(q.shape[-2])
+    with pytest.raises(ValueError, match=r"splash does not take score_mod \(only a bare"):
+        jattn.dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), implementation="splash")
+    with pytest.raises(ValueError, match="splash does not take sinks"):
+        sinks = jnp.zeros(q.shape[-2])
+        jattn.dot_product_attention(q, k, v, score_mod=cap, sinks=sinks, implementation="splash")
+    on_backend(monkeypatch, "tpu")
+    assert route_of(monkeypatch, q, k, v, is_causal=True, score_mod=cap) == "splash"
+    assert route_of(monkeypatch, q, k, v, is_causal=True, mask_mod=mods.causal()) == "dense"
+    on_backend(monkeypatch, "gpu")
+    bf = qkv(t=128)
+    assert route_of(monkeypatch, *bf, is_causal=True) == "cudnn"
+    assert route_of(monkeypatch, *bf, is_causal=True, score_mod=cap) == "dense"
