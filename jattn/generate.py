@@ -172,18 +172,23 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
 
 
 def _check_cache_room(cache, lengths: Array, max_new_tokens: int) -> None:
-    """Eager check: every KVCache in ``cache`` can take the prompt and the new tokens."""
+    """Eager check: every KVCache in ``cache`` can take the prompt and the new tokens.
+
+    Runs where the lengths can be read without a device-to-host copy (``_checks.
+    is_host_value``: CPU arrays, numpy); elsewhere the cache's defined overflow behaviour
+    applies (see :mod:`jattn.kvcache`), and ``kvcache.fits`` answers under jit.
+    """
     caches = [
         c
         for c in jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, kvcache.KVCache))
         if isinstance(c, kvcache.KVCache)
     ]
-    if isinstance(lengths, jax.core.Tracer):
+    if not _checks.is_host_value(lengths):
         return
     # The last new token is sampled but never fed back, so it takes no cache slot.
     need = np.asarray(lengths) + max_new_tokens - 1
     for c in caches:
-        if isinstance(c.lengths, jax.core.Tracer):
+        if not _checks.is_host_value(c.lengths):
             continue
         total = np.asarray(c.lengths).reshape(-1) + need.reshape(-1)
         if total.max() > kvcache.capacity(c):
