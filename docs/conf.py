@@ -1,0 +1,118 @@
+"""Sphinx configuration for jattn's documentation site.
+
+Build (offline, warnings as errors):
+    pip install -e '.[docs]'
+    sphinx-build -W --keep-going -b html docs docs/_build/html
+"""
+
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+
+import sphinx.ext.autosummary as _autosummary
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # document the checkout, not an installed copy
+
+import jattn  # noqa: E402
+
+project = "jattn"
+author = "jattn contributors"
+copyright = "jattn contributors, Apache-2.0"  # noqa: A001
+release = jattn.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+]
+
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+root_doc = "index"
+# docs/README.md says how to build the site (for readers of the repository, not a page);
+# docs/examples/ holds the example scripts' pictures, embedded from the pages.
+exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store"]
+
+# MyST: ```{directive} fences, $math$, :::{note} blocks, heading anchors for #links.
+myst_enable_extensions = ["colon_fence", "dollarmath", "deflist", "fieldlist"]
+myst_heading_anchors = 3
+
+# Docstrings are Google style ("Args:", "Returns:", "Raises:").
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_attr_annotations = True
+napoleon_use_ivar = True  # NamedTuple fields are documented once, as members
+
+autodoc_default_options = {"members": True, "member-order": "bysource"}
+autodoc_typehints = "signature"
+autodoc_typehints_format = "short"
+autodoc_preserve_defaults = True
+autodoc_inherit_docstrings = False
+autosummary_generate = False  # one hand-written page per module, no generated stubs
+add_module_names = False
+python_use_unqualified_type_names = True
+
+# No intersphinx: the build must work offline (CI has no network), so references to jax,
+# flax and numpy stay plain code rather than links.
+
+html_theme = "sphinx_book_theme"
+html_title = f"jattn {release}"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_theme_options = {
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+}
+html_last_updated_fmt = None
+html_show_sourcelink = False
+
+# matplotlib (jattn.viz, jattn.toy) draws off-screen when autodoc imports those modules.
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+# Data (module constants) have no docstring of their own: autodoc would show the docstring
+# of their type (int's, dict's, ndarray's). The pages describe them instead.
+def _drop_type_docstrings(app, what, name, obj, options, lines):
+    if what in ("data", "attribute") and lines:
+        type_doc = inspect.getdoc(type(obj)) or ""
+        first = next(line.strip() for line in lines if line.strip())
+        if first and (first in type_doc or first in (getattr(obj, "__doc__", None) or "")):
+            lines.clear()
+
+
+# autosummary's one-line summary is the docstring's first sentence, split at ". "; it cuts
+# through a literal such as ``i-left ... i+right`` (Sphinx checks the split on the whole
+# paragraph, not on the piece it keeps). Split only outside ``literals``.
+_LITERAL_OR_PERIOD = re.compile(r"``.*?``|\.(?=\s)", re.DOTALL)
+
+
+def _extract_summary(doc, settings):
+    summary = _sphinx_extract_summary(doc, settings)
+    if summary.count("``") % 2 == 0:
+        return summary
+    stanza = []
+    for line in doc:
+        if not line.strip():
+            if stanza:
+                break
+            continue
+        stanza.append(line.strip())
+    text = " ".join(stanza)
+    for match in _LITERAL_OR_PERIOD.finditer(text):
+        if match.group() == ".":
+            return text[: match.end()]
+    return text
+
+
+_sphinx_extract_summary = _autosummary.extract_summary
+_autosummary.extract_summary = _extract_summary
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _drop_type_docstrings, priority=100)  # before napoleon
