@@ -69,6 +69,7 @@ html_css_files = ["custom.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
+    "navbar_persistent": [],  # one search box (the sidebar's), not a second one in the header
 }
 html_last_updated_fmt = None
 html_show_sourcelink = False
