@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import sphinx.ext.autosummary as _autosummary
+from sphinx.util.inspect import stringify_signature
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # document the checkout, not an installed copy
@@ -20,7 +21,7 @@ import jattn  # noqa: E402
 
 project = "jattn"
 author = "jattn contributors"
-copyright = "jattn contributors, Apache-2.0"  # noqa: A001
+copyright = "jattn contributors, Apache-2.0"
 release = jattn.__version__
 version = release
 
@@ -29,7 +30,6 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
-    "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
 ]
 
@@ -39,8 +39,9 @@ root_doc = "index"
 # docs/examples/ holds the example scripts' pictures, embedded from the pages.
 exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store"]
 
-# MyST: ```{directive} fences, $math$, :::{note} blocks, heading anchors for #links.
-myst_enable_extensions = ["colon_fence", "dollarmath", "deflist", "fieldlist"]
+# MyST: ```{directive} fences, :::{note} blocks, heading anchors for #links. No math
+# extension: MathJax would load from a CDN when a page is viewed, and the site works offline.
+myst_enable_extensions = ["colon_fence", "deflist", "fieldlist"]
 myst_heading_anchors = 3
 
 # Docstrings are Google style ("Args:", "Returns:", "Raises:").
@@ -76,6 +77,7 @@ html_show_sourcelink = False
 
 # matplotlib (jattn.viz, jattn.toy) draws off-screen when autodoc imports those modules.
 os.environ.setdefault("MPLBACKEND", "Agg")
+
 
 # Data (module constants) have no docstring of their own: autodoc would show the docstring
 # of their type (int's, dict's, ndarray's). The pages describe them instead.
@@ -115,5 +117,37 @@ _sphinx_extract_summary = _autosummary.extract_summary
 _autosummary.extract_summary = _extract_summary
 
 
+# Linen modules are dataclasses: their generated __init__ lists flax's own `parent` and
+# `name` fields and shows defaults by repr (`<function variance_scaling.<locals>.init>`).
+# Keep the signature to the module's own fields, with readable defaults.
+_FLAX_FIELD = re.compile(r",\s*(parent|name): [^,=]*(=\s*(<[^>]*>|None))?(?=[,)])")
+_ARGS_KWARGS = re.compile(r"\(\*args(: \w+)?, \*\*kwargs(: \w+)?\)")
+_REPRS = [
+    (re.compile(r"<function (\w+)\.<locals>\.\w+>"), r"\1(...)"),
+    (re.compile(r"<function (\w+)[^>]*>"), r"\1"),
+    (re.compile(r"<class '([\w.]+)'>"), r"\1"),
+]
+
+
+def _tidy_signature(app, what, name, obj, options, signature, return_annotation):
+    if signature is None:
+        return None
+    if what == "class" and _ARGS_KWARGS.fullmatch(signature) and "__init__" in vars(obj):
+        # NNX modules: the metaclass's __call__ hides the constructor's signature.
+        init = inspect.signature(obj.__init__)
+        params = list(init.parameters.values())[1:]  # without self
+        signature = stringify_signature(
+            init.replace(parameters=params),
+            show_return_annotation=False,
+            unqualified_typehints=True,
+        )
+    if what == "class" and "parent" in signature:
+        signature = _FLAX_FIELD.sub("", signature)
+    for pattern, repl in _REPRS:
+        signature = pattern.sub(repl, signature)
+    return signature, return_annotation
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _drop_type_docstrings, priority=100)  # before napoleon
+    app.connect("autodoc-process-signature", _tidy_signature)
