@@ -427,8 +427,8 @@ def update_and_attend(
       query: ``[batch..., T, num_heads, head_dim]``.
       key: ``[batch..., T, num_kv_heads, head_dim]``.
       value: ``[batch..., T, num_kv_heads, v_head_dim]``.
-      num_new, mask, is_causal, local_window_size, causal, window, **attention_kwargs: as
-        :func:`attend`.
+      num_new, mask, is_causal, local_window_size, causal, window: as :func:`attend`.
+      **attention_kwargs: as :func:`attend`.
 
     Returns:
       ``(output, cache)``: the attention output as :func:`attend` (a pair with
