@@ -4,12 +4,8 @@ References: a float64 numpy transcription of the book's forward passes
 (tests/_book_models_reference.py) always; the book's own PyTorch classes when torch and
 llms-from-scratch are installed (``@pytest.mark.torch``).
 
-Llama 3 and Qwen3 need ``MultiHeadAttention(rope=, qk_norm=, head_dim=, out_bias=)``
-(phase 2 of issue 18); their tests are marked ``phase2`` and skip until the module has
-those options. Phase 2 removes that skip.
+Only the tests that need torch / llms-from-scratch skip (when those are absent).
 """
-
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +46,7 @@ FORWARD = {"gpt2": gpt_forward, "llama3": llama3_forward, "qwen3": qwen3_forward
 CFGS = {"gpt2": GPT_CFG, "llama3": LLAMA_CFG, "qwen3": QWEN_CFG}
 PROMPT = np.array([[3, 14, 15, 92, 65, 35], [89, 79, 32, 38, 46, 26]])
 
-PHASE2 = "rope" in inspect.signature(jnnx.MultiHeadAttention.__init__).parameters
-phase2 = pytest.mark.skipif(
-    not PHASE2,
-    reason="phase 2 of issue 18: MultiHeadAttention(rope=, qk_norm=, head_dim=, out_bias=)",
-)
-ARCHS = ["gpt2", pytest.param("llama3", marks=phase2), pytest.param("qwen3", marks=phase2)]
+ARCHS = ["gpt2", "llama3", "qwen3"]
 
 
 def load(arch, cfg=None, seed=0):
@@ -88,9 +79,9 @@ def test_gpt_with_qkv_bias_and_dropout_in_eval_mode():
 @pytest.mark.parametrize(
     "arch,cfg",
     [
-        pytest.param("llama3", {**LLAMA_CFG, "rope_freq": None, "n_kv_groups": 4}, marks=phase2),
-        pytest.param("llama3", {**LLAMA_CFG, "n_kv_groups": 1}, marks=phase2),
-        pytest.param("qwen3", {**QWEN_CFG, "qk_norm": False, "head_dim": None}, marks=phase2),
+        ("llama3", {**LLAMA_CFG, "rope_freq": None, "n_kv_groups": 4}),
+        ("llama3", {**LLAMA_CFG, "n_kv_groups": 1}),
+        ("qwen3", {**QWEN_CFG, "qk_norm": False, "head_dim": None}),
     ],
 )
 def test_rope_models_in_other_settings(arch, cfg):
