@@ -12,8 +12,11 @@ Book (PyTorch) -> ``jattn.linen`` (parameter names):
   dropout, num_heads, qkv_bias=False)``: ``heads_{i}/W_query/...`` (the book's
   ``heads.{i}.W_query``).
 * ``MultiHeadAttention`` -> ``MultiHeadAttention(d_out, context_length, dropout, num_heads,
-  qkv_bias=False, *, num_kv_heads=None)``: ``W_query``, ``W_key``, ``W_value``,
-  ``out_proj`` (``{kernel, bias}``).
+  qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True, qk_norm=False,
+  qk_norm_eps=1e-6, rope=None)``: ``W_query``, ``W_key``, ``W_value``, ``out_proj``
+  (``{kernel, bias}``), and ``q_norm``/``k_norm`` (``{scale}``) with ``qk_norm``. The
+  keyword options after ``num_kv_heads`` are the book's Llama 3 / Qwen3 attention
+  (:mod:`jattn.models`); their defaults are chapter 3's class.
 
 ``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
 the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
@@ -47,7 +50,11 @@ Conventions shared by every class:
   chunks of any length (a prompt, then one token at a time) appends to it and attends over
   everything cached, causally per row. ``num_new=[batch...]`` says how many tokens of each
   row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
-  ValueError in eager calls; under jit see :mod:`jattn.kvcache`.
+  ValueError in eager calls; under jit see :mod:`jattn.kvcache`. A rolling cache
+  (sliding-window attention over the last ``capacity`` tokens, no overflow) is a
+  ``cache`` collection whose ``kv`` is ``jattn.kvcache.init_cache(batch, capacity,
+  kv_heads, head_dim, rolling=True)``. With ``rope``, decoded tokens are rotated at each
+  row's cache length onward.
 * ``attention_implementation`` (every class): the core's ``implementation``. The default
   (None) picks the blockwise path on CPU from 256 tokens; it has a custom VJP, so
   forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) of a module needs

@@ -12,7 +12,9 @@ copy. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` 
 * ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_in, d_out, context_length,
   dropout, num_heads, qkv_bias=False, *, rngs)``
 * ``MultiHeadAttention`` -> ``MultiHeadAttention(d_in, d_out, context_length, dropout,
-  num_heads, qkv_bias=False, *, num_kv_heads=None, rngs)``
+  num_heads, qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True,
+  qk_norm=False, qk_norm_eps=1e-6, rope=None, rngs)`` (the options after
+  ``num_kv_heads``: the book's Llama 3 / Qwen3 attention, see the class)
 
 Conventions shared by every class:
 
@@ -46,7 +48,10 @@ Conventions shared by every class:
   prompt, then one token at a time) appends to it and attends over everything cached,
   causally per row. ``num_new=[batch...]`` says how many tokens of each row of the chunk
   are real (ragged prompts, right-padded). Overflowing the capacity is a ValueError in
-  eager calls; under jit see :mod:`jattn.kvcache`.
+  eager calls; under jit see :mod:`jattn.kvcache`. ``init_cache(..., rolling=True)``
+  makes a rolling cache instead: sliding-window attention over the last ``capacity``
+  tokens, never full. With ``rope``, decoded tokens are rotated at each row's cache
+  length onward.
 * ``attention_implementation=`` (every class): the core's ``implementation``. The default
   (None) picks the blockwise path on CPU from 256 tokens; it has a custom VJP, so
   forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) of a module needs ``'dense'``.
@@ -147,13 +152,17 @@ class _DropoutAttention(_Attention):
         """Deprecated name of :attr:`is_causal`."""
         return mu.resolve_causal(None, self.is_causal, type(self).__name__)
 
-    def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+    def init_cache(self, input_shape, dtype: Any = jnp.float32, *, rolling: bool = False) -> None:
         """Creates an empty KV cache for ``decode=True`` calls (and resets a filled one).
 
         Args:
           input_shape: ``(batch..., capacity, d_in)``, the shape of the longest input the
             cache must hold (flax's convention); ``capacity <= context_length``.
           dtype: dtype of the cached keys and values.
+          rolling: a rolling cache (:class:`jattn.kvcache.RollingKVCache`) of the last
+            ``capacity`` tokens: decoding attends over a sliding window (each token sees
+            itself and the ``capacity`` tokens before it) and never overflows, so a row may
+            run past ``context_length`` (a chunk still holds at most ``context_length``).
         """
         name = type(self).__name__
         try:
@@ -176,7 +185,12 @@ class _DropoutAttention(_Attention):
         num_kv_heads, head_dim = self._cache_layout()
         self.cache = nnx.Cache(
             kvcache.init_cache(
-                input_shape[:-2], input_shape[-2], num_kv_heads, head_dim, dtype=dtype
+                input_shape[:-2],
+                input_shape[-2],
+                num_kv_heads,
+                head_dim,
+                dtype=dtype,
+                rolling=rolling,
             )
         )
 
@@ -542,10 +556,10 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
             )
             setattr(self, f"heads_{i}", head)
 
-    def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+    def init_cache(self, input_shape, dtype: Any = jnp.float32, *, rolling: bool = False) -> None:
         """Creates (or resets) every head's KV cache; see :meth:`CausalAttention.init_cache`."""
         for head in self.heads:
-            head.init_cache(input_shape, dtype)
+            head.init_cache(input_shape, dtype, rolling=rolling)
 
     @property
     def heads(self) -> list[CausalAttention]:

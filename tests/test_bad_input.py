@@ -108,6 +108,7 @@ def rope_mha(api):
 
 CACHE = kvcache.init_cache(2, 4, 1, 4)  # batch 2, capacity 4, 1 head of width 4
 CHUNK = jnp.ones((2, 2, 1, 4))
+ROLLING = kvcache.init_cache(2, 4, 1, 4, rolling=True)
 
 
 LOGITS = jnp.ones((2, 5))
@@ -388,6 +389,12 @@ CASES = [
     Case("kvcache.attend", "starts of the wrong shape", V, "starts must have the batch shape (2,)", lambda: kvcache.attend(CACHE, CHUNK, starts=jnp.zeros(3, int))),
     Case("kvcache.attend", "local_window_size=-1", V, "local_window_size[0] (left) must be >= 0", lambda: kvcache.attend(CACHE, CHUNK, starts=CACHE.lengths, local_window_size=-1)),
     Case("kvcache.fits", "float num_new", T, "num_new must hold integers", lambda: kvcache.fits(CACHE, 1.5)),
+    Case("kvcache.init_cache", "rolling=1 (not a bool)", T, "rolling must be a Python bool", lambda: kvcache.init_cache(2, 4, 1, 4, rolling=1)),
+    Case("kvcache.update_and_attend", "rolling cache, window wider than its capacity", V, "exceeds the rolling cache's capacity (4)", lambda: kvcache.update_and_attend(ROLLING, CHUNK, CHUNK, CHUNK, local_window_size=(5, 0))),
+    Case("kvcache.attend", "a rolling cache", T, "Use update_and_attend()", lambda: kvcache.attend(ROLLING, CHUNK, starts=ROLLING.lengths)),
+    Case("kvcache.rolling_mask", "float starts", T, "starts must hold integers", lambda: kvcache.rolling_mask(jnp.zeros(2), 2, 4)),
+    Case("kvcache.rolling_mask", "float num_new", T, "num_new must hold integers", lambda: kvcache.rolling_mask(jnp.zeros(2, int), 2, 4, num_new=jnp.ones(2))),
+    Case("nnx.MultiHeadAttention.init_cache", "rolling='yes'", T, "rolling must be a Python bool", lambda: nnx_mha().init_cache((2, 4, 6), rolling="yes")),
     Case("kvcache.decode_mask", "q_len=0", V, "q_len must be >= 1", lambda: kvcache.decode_mask(jnp.zeros(2, int), jnp.zeros(2, int), 0, 4)),
     # generate
     Case("generate.sample_next", "temperature=-1", V, "temperature must be >= 0", sample(temperature=-1.0)),

@@ -17,7 +17,7 @@ from _book_models_reference import rope_inv_freq
 from flax import nnx
 from reference import np_attention
 
-from jattn import convert
+from jattn import convert, kvcache
 from jattn import linen as L
 from jattn import nnx as N
 from jattn.rope import RoPE
@@ -92,8 +92,9 @@ def np_rope(x, positions, rope: RoPE):
     return x * np.cos(angles) + rotated * np.sin(angles)
 
 
-def np_mha(params, x, options, *, num_heads=4, positions=None):
-    """float64 MultiHeadAttention with the options, causal, from Linen-layout params."""
+def np_mha(params, x, options, *, num_heads=4, positions=None, window=None):
+    """float64 MultiHeadAttention with the options, causal (keys at most ``window`` back),
+    from Linen-layout params."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     x = np.asarray(x, np.float64)
     kv_heads = options.get("num_kv_heads", num_heads)
@@ -114,7 +115,8 @@ def np_mha(params, x, options, *, num_heads=4, positions=None):
     if options.get("rope") is not None:
         positions = np.arange(t) if positions is None else positions
         q, k = np_rope(q, positions, options["rope"]), np_rope(k, positions, options["rope"])
-    out = np_attention(q, k, v, mask=np.tril(np.ones((t, t), bool)))
+    back = np.arange(t)[:, None] - np.arange(t)[None, :]  # query position - key position
+    out = np_attention(q, k, v, mask=(back >= 0) & (back <= (t if window is None else window)))
     return dense("out_proj", out.reshape(*x.shape[:-1], num_heads * head_dim))
 
 
@@ -288,3 +290,25 @@ def test_jitted_decode_step_compiles_once(rng):
     outs = [step(model, jnp.asarray(x[:, t : t + 1])) for t in range(8)]
     assert len(traces) == 1
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rolling_cache_decodes_windowed_attention_in_nnx_and_linen(rng):
+    options = dict(OPTIONS)["qwen3"]
+    model = randomize(nnx_module(options))
+    variables = convert.nnx_to_linen(model)
+    x = rng.normal(size=(2, 11, D_IN)).astype(np.float32)
+    ref = np_mha(variables["params"], x, options, window=4)
+    model.init_cache((2, 4, D_IN), rolling=True)
+    nnx_out = [model(x[:, :6], decode=True)]  # a prefill longer than the cache
+    nnx_out += [model(x[:, t : t + 1], decode=True) for t in range(6, 11)]
+    np.testing.assert_allclose(jnp.concatenate(nnx_out, axis=1), ref, rtol=1e-5, atol=1e-5)
+    # Linen: the same cache, put into the 'cache' collection by hand
+    decoder = linen_module(options, decode=True)
+    cache = {"kv": kvcache.init_cache(2, 4, 1, 10, rolling=True)}
+    linen_out = []
+    for sl in (slice(0, 6), *(slice(t, t + 1) for t in range(6, 11))):
+        out, state = decoder.apply({**variables, "cache": cache}, x[:, sl], mutable=["cache"])
+        linen_out.append(out)
+        cache = state["cache"]
+    np.testing.assert_allclose(jnp.concatenate(linen_out, axis=1), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache["kv"].lengths, [11, 11])

@@ -288,6 +288,35 @@ def test_greedy_generation_equals_the_books_loop_cached_or_not(arch):
     assert not hasattr(model.trf_blocks[0].att, "cache")  # the model was not modified
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_window_generates_past_the_context_as_windowed_attention(arch):
+    # context 16, a rolling cache of 5 positions, 6 + 14 tokens: past the context.
+    cfg = {**CFGS[arch], "context_length": 16}
+    model, sd = load(arch, cfg)
+    out = models.generate(model, PROMPT, 14, window=5)
+    idx = PROMPT
+    for _ in range(14):  # the book's loop, uncropped, on the windowed transcription
+        logits = FORWARD[arch](cfg, sd, idx, window=5)
+        idx = np.concatenate([idx, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, idx[:, PROMPT.shape[1] :])
+    # Within window + 1 positions, the rolling cache changes nothing.
+    np.testing.assert_array_equal(
+        models.generate(model, PROMPT, 6, window=10), models.generate(model, PROMPT, 6)
+    )
+
+
+def test_rolling_cache_decode_equals_the_windowed_forward_pass():
+    cfg = {**QWEN_CFG, "context_length": 16}
+    model, sd = load("qwen3", cfg)
+    seq = np.concatenate([PROMPT, PROMPT[:, ::-1], PROMPT], axis=1)  # 18 tokens
+    model.init_cache(2, 4, rolling=True)
+    steps = [model(seq[:, :7], decode=True)]  # a prefill longer than the cache
+    steps += [model(seq[:, t : t + 1], decode=True) for t in range(7, 18)]
+    ref = qwen3_forward(cfg, sd, seq, window=4)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), ref, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(model.cache_lengths(), [18, 18])
+
+
 def test_sampling_is_fixed_by_the_key():
     model, _ = load("gpt2")
     a = models.generate(model, PROMPT, 12, temperature=1.5, key=jax.random.key(0))
@@ -585,6 +614,21 @@ GPT = models.GPTModel(GPT_CFG, rngs=nnx.Rngs(0))
             lambda: models.generate(GPT, np.ones(5, int), 3),
             ValueError,
             r"\[batch, prompt_len\].*token_ids\[None\]",
+        ),
+        (
+            lambda: models.generate(GPT, np.ones((1, 20), int), 14, window=8),
+            ValueError,
+            "GPT-2's position embedding ends at the context",
+        ),
+        (
+            lambda: models.generate(GPT, PROMPT, 3, window=0),
+            ValueError,
+            r"window must be None or an int in \[1, 32\]",
+        ),
+        (
+            lambda: models.generate(GPT, PROMPT, 3, window=4, use_cache=False),
+            ValueError,
+            "needs use_cache=True",
         ),
         (lambda: models.generate(GPT, PROMPT, 0), ValueError, "max_new_tokens must be an int >= 1"),
         (
