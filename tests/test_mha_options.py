@@ -276,6 +276,25 @@ def test_ragged_rows_continue_at_their_own_positions(rng):
         assert np.all(np.asarray(prefill[b, n:]) == 0.0)  # padding attends nothing, no out bias
 
 
+def test_linen_ragged_rows_continue_at_their_own_positions(rng):
+    options = dict(OPTIONS)["llama3"]
+    model = randomize(nnx_module(options))
+    variables = convert.nnx_to_linen(model)
+    x = rng.normal(size=(2, 5, D_IN)).astype(np.float32)
+    nxt = rng.normal(size=(2, 1, D_IN)).astype(np.float32)
+    lengths = jnp.array([2, 5])
+    decoder = linen_module(options, decode=True)
+    cache = decoder.init(jax.random.key(0), jnp.zeros((2, 8, D_IN)))["cache"]
+    prefill, state = decoder.apply(
+        {**variables, "cache": cache}, x, num_new=lengths, mutable=["cache"]
+    )
+    step, _ = decoder.apply({**variables, **state}, nxt, mutable=["cache"])
+    for b, n in enumerate(np.asarray(lengths)):
+        alone = model(np.concatenate([x[b, :n], nxt[b]])[None])[0]  # NNX, same weights
+        np.testing.assert_allclose(prefill[b, :n], alone[:n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(step[b, 0], alone[n], rtol=1e-5, atol=1e-5)
+
+
 def test_jitted_decode_step_compiles_once(rng):
     model = randomize(nnx_module(dict(OPTIONS)["qwen3"]))
     model.init_cache((2, 12, D_IN))
