@@ -567,8 +567,8 @@ def _rolling_update_and_attend(cache, query, key, value, *, num_new, mask, is_ca
         starts, query.shape[-3], cap, num_new=num_new, is_causal=is_causal, local_window_size=window
     )
     # [batch..., cap + T, K, D]: the keys before the chunk, then the chunk's (in the cache dtype)
-    keys = jnp.concatenate([cache.keys, key.astype(cache.keys.dtype)], axis=-3)
-    values = jnp.concatenate([cache.values, value.astype(cache.values.dtype)], axis=-3)
+    keys = jnp.concatenate([cache.keys, jnp.asarray(key, cache.keys.dtype)], axis=-3)
+    values = jnp.concatenate([cache.values, jnp.asarray(value, cache.values.dtype)], axis=-3)
     out = functional.dot_product_attention(
         query, keys, values, mask=masks_lib.combine_masks(visible, mask), **kw
     )
