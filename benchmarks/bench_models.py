@@ -20,7 +20,8 @@ after ``torch.manual_seed(123)``, loaded into jattn with ``jattn.models.from_boo
   only that mask corrected (:class:`RowMaskMHA`, the same operations otherwise) and says
   so in the table. PyTorch runs eagerly under ``torch.no_grad()``, at 1 and at 2 threads
   (its OpenMP threads suffer most from other jobs on shared cores); the faster one is the
-  book's figure.
+  book's figure. A thread setting that ran at under half the other's speed in a round is
+  not run again (on a loaded machine a 2-thread Qwen3 run takes minutes).
 
 Tokens/s = new tokens / wall-clock time of the whole call (prefill included, on both
 sides). The generators alternate in rounds (the order rotating each round) so background
