@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _checks, functional, kvcache
+from jattn import rope as rope_lib
 
 Array = jax.Array
 
@@ -162,6 +163,99 @@ class ModuleConfig:
             "kernel_init": self.kernel_init,
             "bias_init": self.bias_init,
         }
+
+
+def _check_eps(value, cls_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{cls_name}: qk_norm_eps must be a float > 0, got {value!r}.")
+    if not 0.0 < float(value) < float("inf"):
+        raise ValueError(
+            f"{cls_name}: qk_norm_eps must be > 0 and finite, got {value}: it keeps the "
+            "RMSNorm of a zero query or key from dividing by zero (Qwen3 uses 1e-6)."
+        )
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """MultiHeadAttention's heads: their layout, and what happens to queries and keys per head.
+
+    The options of the book's later models (Llama 3, Qwen3) that chapter 3's class lacks.
+    Built once by :meth:`build` at construction; :func:`attend` reads it.
+
+    Attributes:
+      cls_name: the class, for error messages.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (a divisor of ``num_heads``).
+      head_dim: features per head (queries, keys and values); scale ``1/sqrt(head_dim)``.
+      out_bias: ``out_proj`` has a bias.
+      qk_norm: RMSNorm over ``head_dim`` on every query and key head (submodules
+        ``q_norm``, ``k_norm``), after the head split and before RoPE.
+      qk_norm_eps: the epsilon of those RMSNorms.
+      rope: rotate queries and keys (after QK-norm, before the cache append), or None.
+    """
+
+    cls_name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    out_bias: bool = True
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    rope: rope_lib.RoPE | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cls_name: str,
+        *,
+        d_out: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim=None,
+        out_bias=True,
+        qk_norm=False,
+        qk_norm_eps=1e-6,
+        rope=None,
+    ) -> HeadConfig:
+        """Checks the options (sizes already checked by :func:`check_config`).
+
+        ``head_dim=None`` means ``d_out // num_heads``.
+
+        Raises:
+          TypeError: a head_dim that is not an int, flags that are not bools, a
+            ``qk_norm_eps`` that is not a number, a ``rope`` that is not a
+            :class:`jattn.rope.RoPE`.
+          ValueError: ``head_dim < 1``, ``qk_norm_eps <= 0``, an odd head_dim with ``rope``.
+        """
+        head_dim = d_out // num_heads if head_dim is None else head_dim
+        head_dim = _check_positive_int(head_dim, "head_dim", cls_name)
+        _checks.flag(out_bias, f"{cls_name}: out_bias")
+        _checks.flag(qk_norm, f"{cls_name}: qk_norm")
+        eps = _check_eps(qk_norm_eps, cls_name)
+        if rope is not None and not isinstance(rope, rope_lib.RoPE):
+            raise TypeError(
+                f"{cls_name}: rope must be a jattn.rope.RoPE (e.g. RoPE(theta_base=10_000.0)) "
+                f"or None, got {type(rope).__name__}."
+            )
+        if rope is not None and head_dim % 2:
+            raise ValueError(
+                f"{cls_name}: head_dim ({head_dim}) must be even with rope=: RoPE rotates pairs "
+                "of features. Pick an even head_dim (or d_out // num_heads)."
+            )
+        return cls(
+            cls_name, num_heads, num_kv_heads, head_dim, bool(out_bias), bool(qk_norm), eps, rope
+        )
+
+    @property
+    def q_features(self) -> int:
+        """Width of the query projection (and of ``out_proj``'s input)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_features(self) -> int:
+        """Width of the key and value projections."""
+        return self.num_kv_heads * self.head_dim
 
 
 def resolve_causal(is_causal, causal, cls_name: str) -> bool:
@@ -341,20 +435,91 @@ def concat_heads(outs: list, return_weights: bool):
     return jnp.concatenate(contexts, axis=-1), jnp.concatenate(weights, axis=-3)
 
 
+def check_positions(positions, heads: HeadConfig | None, cls_name: str, batch_shape, length):
+    """Validates the call's ``positions`` (int, broadcastable to ``[batch..., T]``), or None.
+
+    Raises:
+      ValueError: positions for a module without ``rope=`` (they would be ignored), or a
+        shape that does not broadcast to ``[batch..., T]``.
+      TypeError: positions that are not integers.
+    """
+    if positions is None:
+        return None
+    if heads is None or heads.rope is None:
+        raise ValueError(
+            f"{cls_name}: positions is only used with rope= (it sets the rotation of each "
+            "token); this module has no RoPE. Build it with rope=jattn.rope.RoPE(...) or drop "
+            "positions."
+        )
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise TypeError(
+            f"{cls_name}: positions must hold integers (token positions), got dtype "
+            f"{positions.dtype}."
+        )
+    target = (*batch_shape, length)
+    ok = 1 <= positions.ndim <= len(target) and positions.shape[-1] == length
+    try:
+        ok = ok and jnp.broadcast_shapes(positions.shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{cls_name}: positions must be int [batch..., T] broadcastable to {target} (one "
+            f"position per token of x), got shape {positions.shape}."
+        )
+    return positions
+
+
+def prepare_qk(heads: HeadConfig, q: Array, k: Array, *, qk_norms=None, positions=None):
+    """QK-norm, then RoPE: what happens to split queries and keys before attention.
+
+    Args:
+      heads: the module's :class:`HeadConfig`.
+      q: ``[batch..., T, num_heads, head_dim]``.
+      k: ``[batch..., T, num_kv_heads, head_dim]``.
+      qk_norms: ``(q_norm, k_norm)``, the module's RMSNorms over ``head_dim`` (with
+        ``heads.qk_norm``).
+      positions: int ``[batch'..., T]`` (batch dims broadcastable), required with
+        ``heads.rope``.
+
+    Returns:
+      ``(q, k)`` in their input dtypes.
+    """
+    if heads.qk_norm:
+        q_norm, k_norm = qk_norms
+        # [batch..., T, heads, head_dim]: normalized over head_dim, one scale for all heads
+        q, k = q_norm(q).astype(q.dtype), k_norm(k).astype(k.dtype)
+    if heads.rope is not None:
+        q, k = heads.rope(q, positions), heads.rope(k, positions)
+    return q, k
+
+
+def _rope_positions(positions, cache, length: int) -> Array:
+    """The call's positions, else ``0 ... T-1``, else (decoding) each row's cache length on."""
+    if positions is not None:
+        return positions
+    if cache is None:
+        return jnp.arange(length, dtype=jnp.int32)  # [T], broadcast over the batch
+    # [batch..., T]: token t of row b at lengths[b] + t (a rolling cache counts every token)
+    return rope_lib.positions_from_lengths(cache.lengths, length)
+
+
 def attend(
     config: ModuleConfig,
     queries: Array,
     keys: Array,
     values: Array,
     *,
-    num_heads: int = 1,
-    num_kv_heads: int = 1,
+    heads: HeadConfig | None = None,
+    qk_norms=None,
+    positions=None,
     mask=None,
     deterministic: bool = True,
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     sow_into: Any = None,
-    cache: kvcache.KVCache | None = None,
+    cache: kvcache.KVCache | kvcache.RollingKVCache | None = None,
     num_new=None,
 ):
     """Projected features in, attended features out: the modules' one call into the core.
@@ -364,25 +529,37 @@ def attend(
       queries: ``[batch..., T, num_heads * head_dim]``.
       keys: ``[batch..., T, num_kv_heads * head_dim]``.
       values: ``[batch..., T, num_kv_heads * head_dim]``.
-      num_heads, num_kv_heads: head counts (1 and 1 for the single-head classes).
+      heads: MultiHeadAttention's :class:`HeadConfig` (head counts, QK-norm, RoPE); None
+        for the single-head classes (one head, nothing applied to q and k).
+      qk_norms: ``(q_norm, k_norm)`` modules when ``heads.qk_norm``.
+      positions: int ``[batch..., T]`` (broadcastable) token positions for RoPE; default
+        ``0 ... T-1``, in decode mode each row's cache length onward.
       mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``.
       deterministic: True: no dropout.
       dropout_rng: the dropout key when ``deterministic`` is False.
       return_weights: also return the weights ``[batch..., num_heads, T, T]`` (pre-dropout).
       sow_into: a module to sow the weights into as ``attention_weights``, or None.
-      cache: decode mode: a :class:`jattn.kvcache.KVCache`; the keys and values are
-        appended to it (:func:`jattn.kvcache.update_and_attend`) and the queries attend
-        over everything it holds, so ``mask`` and the weights have ``capacity`` keys.
+      cache: decode mode: a :class:`jattn.kvcache.KVCache` (or ``RollingKVCache``); the
+        keys and values are appended to it (:func:`jattn.kvcache.update_and_attend`) and
+        the queries attend over everything it holds, so ``mask`` and the weights have
+        ``capacity`` keys (a rolling cache: ``capacity + T``).
       num_new: decode mode: int ``[batch...]``, real tokens of each row of the chunk.
 
     Returns:
       Context ``[batch..., T, num_heads * head_dim]`` (and the weights if asked); in
       decode mode, ``(that, updated_cache)``.
     """
+    num_heads, num_kv_heads = (1, 1) if heads is None else (heads.num_heads, heads.num_kv_heads)
+    positions = check_positions(
+        positions, heads, config.cls_name, queries.shape[:-2], queries.shape[-2]
+    )
     # [batch..., T, H, D] and [batch..., T, K, D]
     q = split_heads(queries, num_heads)
     k = split_heads(keys, num_kv_heads)
     v = split_heads(values, num_kv_heads)
+    if heads is not None:
+        positions = _rope_positions(positions, cache, q.shape[-3]) if heads.rope else None
+        q, k = prepare_qk(heads, q, k, qk_norms=qk_norms, positions=positions)
     options = dict(
         mask=mask,
         dropout_rate=config.dropout,

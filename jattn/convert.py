@@ -53,8 +53,10 @@ notebook passes its ``mask`` buffer ``triu(ones, diagonal=1).bool()`` to
 to strictly later tokens (rasbt/LLMs-from-scratch issue #1061); its weights are the same as
 the other ``qkv`` classes', and jattn's causal module computes what the section intends.
 
-Nothing here imports torch: pass ``model.state_dict()`` (tensors go through ``.numpy()``)
-or any mapping of the same keys to numpy arrays.
+Nothing here imports torch: pass ``model.state_dict()`` (tensors go through ``.numpy()``,
+bfloat16 ones through ``.float()``) or any mapping of the same keys to numpy arrays.
+:func:`to_numpy` is that conversion of one value, with its checks (floats, finite);
+:func:`jattn.models.from_book` uses it too.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ __all__ = [
     "linen_to_nnx",
     "nnx_to_linen",
     "split_to_wrapper",
+    "to_numpy",
     "wrapper_to_split",
 ]
 
@@ -91,22 +94,43 @@ _BUFFER_KEY = re.compile(r"^(?:heads\.\d+\.)?mask$")
 # ----------------------------------------------------------------------------------------
 
 
-def _to_numpy(key: str, value) -> np.ndarray:
+def to_numpy(value, key: str) -> np.ndarray:
+    """One value of a state dict as a checked float numpy array (torch is never imported).
+
+    A torch tensor is read with ``.detach().cpu().numpy()``; a bfloat16 tensor, which numpy
+    cannot hold, through ``.float()`` first (exact: every bfloat16 is a float32). Numpy
+    arrays (``ml_dtypes.bfloat16`` included) and array-likes are taken as they are.
+
+    Args:
+      value: a tensor or array-like.
+      key: its key in the state dict, for error messages (``state_dict[key]``).
+
+    Returns:
+      A numpy array of a floating dtype, all finite.
+
+    Raises:
+      TypeError: a value that is not an array, or does not hold floats.
+      ValueError: NaN or Inf values.
+    """
+    name = f"state_dict[{key!r}]"
     if hasattr(value, "detach"):  # a torch tensor, without importing torch
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if str(getattr(value, "dtype", "")) == "torch.bfloat16":
+            value = value.float()
+        value = value.numpy()
     try:
         array = np.asarray(value)
     except Exception as e:
         raise TypeError(
-            f"state_dict[{key!r}] cannot be converted to a numpy array ({e}). Pass numpy "
-            "arrays or CPU tensors; convert bfloat16 tensors with `.float()` first."
+            f"{name} cannot be converted to a numpy array ({e}). Pass numpy arrays or tensors."
         ) from None
-    if not np.issubdtype(array.dtype, np.floating):
-        raise TypeError(f"state_dict[{key!r}] must hold floats, got dtype {array.dtype}.")
-    if not np.all(np.isfinite(array)):
+    if not jnp.issubdtype(array.dtype, jnp.floating):  # also accepts ml_dtypes' bfloat16
+        raise TypeError(f"{name} must hold floats, got dtype {array.dtype}.")
+    finite = np.isfinite(array if array.dtype.itemsize >= 4 else array.astype(np.float32))
+    if not np.all(finite):
         raise ValueError(
-            f"state_dict[{key!r}] holds NaN or Inf values: the checkpoint is corrupt or was "
-            "saved from a diverged run."
+            f"{name} holds NaN or Inf values: the checkpoint is corrupt or was saved from a "
+            "diverged run."
         )
     return array
 
@@ -688,7 +712,7 @@ def _read_state_dict(state_dict: Mapping) -> dict[str, np.ndarray]:
                 "multihead_attn.in_proj_bias, multihead_attn.out_proj.weight, "
                 "multihead_attn.out_proj.bias (buffers named mask are ignored)."
             )
-        arrays[key] = _to_numpy(key, value)
+        arrays[key] = to_numpy(value, key)
     return arrays
 
 

@@ -36,6 +36,22 @@ overwritten), ``lengths`` stops at ``capacity``, and the queries of those tokens
 nothing (zero attention output).
 :func:`fits` gives the per-row answer as an array, for ``checkify.check`` or a
 ``lax.cond`` inside jitted code.
+
+**Rolling caches** (``init_cache(..., rolling=True)``, a :class:`RollingKVCache`) keep the
+last ``capacity`` tokens of each row only, for generating past a model's context with
+sliding-window attention: the token at position ``p`` is written to slot
+``p % capacity`` (overwriting position ``p - capacity``), and ``lengths`` counts every
+token seen, so it stays each row's next position (RoPE positions follow it). Attention
+through a rolling cache is windowed: query ``p`` sees keys ``p - left ... p`` with
+``left = capacity`` by default (itself and the ``capacity`` tokens before it); a smaller
+``local_window_size=(left, right)`` may be given, a larger left side cannot (those keys
+are gone) and is a ValueError. :func:`update_and_attend` attends over the cache *before*
+the append plus the chunk's own keys (key axis ``capacity + T``), so a chunk of any
+length, a long prompt included, equals full windowed attention
+(``dot_product_attention(..., local_window_size=(left, 0))``) over the whole sequence;
+then it writes the chunk's last ``capacity`` real tokens. A rolling cache never
+overflows, and :func:`attend` alone (after :func:`append`) refuses it: the append may
+have overwritten keys the chunk's first queries need.
 """
 
 from __future__ import annotations
@@ -51,12 +67,14 @@ from jattn import masks as masks_lib
 
 __all__ = [
     "KVCache",
+    "RollingKVCache",
     "append",
     "attend",
     "capacity",
     "decode_mask",
     "fits",
     "init_cache",
+    "rolling_mask",
     "update_and_attend",
 ]
 
@@ -81,7 +99,26 @@ class KVCache(NamedTuple):
     lengths: Array
 
 
-def capacity(cache: KVCache) -> int:
+class RollingKVCache(NamedTuple):
+    """The last ``capacity`` tokens of each row, written modulo capacity (sliding window).
+
+    Attributes:
+      keys: ``[batch..., capacity, num_kv_heads, head_dim]``; slot ``j`` holds the latest
+        position ``p < lengths`` with ``p % capacity == j``.
+      values: ``[batch..., capacity, num_kv_heads, v_head_dim]``.
+      lengths: int32 ``[batch...]``: every token each row has seen (not capped), i.e. the
+        position of its next token.
+    """
+
+    keys: Array
+    values: Array
+    lengths: Array
+
+
+AnyCache = KVCache | RollingKVCache
+
+
+def capacity(cache: AnyCache) -> int:
     """The number of positions each row of ``cache`` can hold (a static int)."""
     return cache.keys.shape[-3]
 
@@ -94,7 +131,8 @@ def init_cache(
     *,
     v_head_dim: int | None = None,
     dtype: Any = jnp.float32,
-) -> KVCache:
+    rolling: bool = False,
+) -> AnyCache:
     """An empty cache: zero buffers and zero lengths.
 
     Args:
@@ -104,10 +142,12 @@ def init_cache(
       head_dim: width of each key head.
       v_head_dim: width of each value head; default ``head_dim``.
       dtype: dtype of the key/value buffers (appended chunks are cast to it).
+      rolling: a :class:`RollingKVCache` holding the last ``capacity`` tokens (sliding-window
+        attention with ``left = capacity``, no overflow; see the module docstring).
 
     Returns:
       ``KVCache(keys [*batch_shape, capacity, num_kv_heads, head_dim], values [...,
-      v_head_dim], lengths int32 [*batch_shape])``.
+      v_head_dim], lengths int32 [*batch_shape])`` (a ``RollingKVCache`` with ``rolling``).
     """
     try:
         batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
@@ -122,17 +162,19 @@ def init_cache(
     head_dim = _checks.size(head_dim, "head_dim")
     v_head_dim = head_dim if v_head_dim is None else _checks.size(v_head_dim, "v_head_dim")
     dtype = _checks.float_dtype(dtype, "dtype")
-    return KVCache(
+    _checks.flag(rolling, "rolling")
+    return (RollingKVCache if rolling else KVCache)(
         keys=jnp.zeros((*batch_shape, capacity, num_kv_heads, head_dim), dtype),
         values=jnp.zeros((*batch_shape, capacity, num_kv_heads, v_head_dim), dtype),
         lengths=jnp.zeros(batch_shape, jnp.int32),
     )
 
 
-def _check_cache(cache) -> KVCache:
-    if not isinstance(cache, KVCache):
+def _check_cache(cache) -> AnyCache:
+    if not isinstance(cache, (KVCache, RollingKVCache)):
         raise TypeError(
-            f"cache must be a jattn.kvcache.KVCache (from init_cache), got {type(cache).__name__}."
+            "cache must be a jattn.kvcache.KVCache or RollingKVCache (from init_cache), got "
+            f"{type(cache).__name__}."
         )
     if cache.keys.ndim < 3 or cache.keys.shape[:-1] != cache.values.shape[:-1]:
         raise ValueError(
@@ -173,23 +215,28 @@ def _num_new(num_new, batch_shape: tuple[int, ...], chunk_len: int) -> Array:
     return num_new
 
 
-def fits(cache: KVCache, num_new) -> Array:
+def fits(cache: AnyCache, num_new) -> Array:
     """Bool ``[batch...]``: whether appending ``num_new`` real tokens per row fits in ``cache``.
 
     Works under ``jax.jit``, e.g. ``checkify.check(jnp.all(fits(cache, n)), "cache full")``.
+    A rolling cache always fits (it overwrites its oldest tokens).
     """
     cache = _check_cache(cache)
     num_new = jnp.asarray(num_new)
     if not jnp.issubdtype(num_new.dtype, jnp.integer):
         raise TypeError(f"num_new must hold integers, got dtype {num_new.dtype}.")
+    if isinstance(cache, RollingKVCache):
+        return jnp.ones_like(cache.lengths + num_new.astype(jnp.int32), dtype=bool)
     return cache.lengths + num_new.astype(jnp.int32) <= capacity(cache)
 
 
-def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
+def append(cache: AnyCache, key, value, *, num_new=None) -> AnyCache:
     """Writes a chunk of keys and values at the end of each row.
 
     Row ``b``'s real tokens (the first ``num_new[b]`` of the chunk) go to positions
-    ``lengths[b] ... lengths[b] + num_new[b] - 1``; padding tokens are not written.
+    ``lengths[b] ... lengths[b] + num_new[b] - 1``; padding tokens are not written. A
+    :class:`RollingKVCache` writes position ``p`` to slot ``p % capacity``, and only the
+    last ``capacity`` real tokens of a chunk (the earlier ones would be overwritten anyway).
 
     Args:
       cache: a :class:`KVCache`.
@@ -199,7 +246,8 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
         default ``T`` for every row.
 
     Returns:
-      The updated cache (``lengths + num_new``, capped at the capacity under jit).
+      The updated cache (``lengths + num_new``, capped at the capacity under jit; a
+      rolling cache's lengths are never capped).
 
     Raises:
       ValueError: shapes that do not match the cache; ``num_new`` outside ``[0, T]``; and,
@@ -222,6 +270,8 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
             f"{value.shape}."
         )
     num_new = _num_new(num_new, batch_shape, chunk_len)
+    if isinstance(cache, RollingKVCache):
+        return _rolling_append(cache, key, value, num_new)
     # An eager check where reading the lengths costs no device-to-host copy; under jit (or
     # on an accelerator) the overflow is handled as the module docstring says.
     if _checks.is_host_value(cache.lengths) and _checks.is_host_value(num_new):
@@ -240,18 +290,36 @@ def append(cache: KVCache, key, value, *, num_new=None) -> KVCache:
     # mode="drop" discards, so a write can never clamp onto (and clobber) a real entry.
     starts = cache.lengths.reshape(n, 1)
     dest = jnp.where(t < num_new.reshape(n, 1), starts + t, cap)
-    rows = jnp.arange(n)[:, None]
-
-    def write(buf, x):
-        # [B, capacity, K, D] <- [B, T, K, D] at (rows, dest)
-        flat = buf.reshape(n, *buf.shape[-3:])
-        flat = flat.at[rows, dest].set(x.reshape(n, *x.shape[-3:]).astype(buf.dtype), mode="drop")
-        return flat.reshape(buf.shape)
-
     return KVCache(
-        keys=write(cache.keys, key),
-        values=write(cache.values, value),
+        keys=_write(cache.keys, key, dest),
+        values=_write(cache.values, value, dest),
         lengths=jnp.minimum(cache.lengths + num_new, cap).astype(jnp.int32),
+    )
+
+
+def _write(buf: Array, x: Array, dest: Array) -> Array:
+    """``buf [batch..., capacity, K, D]`` with ``x [batch..., T, K, D]`` written at slots
+    ``dest [B, T]`` (B = the flattened batch); a slot of ``capacity`` is dropped."""
+    n = dest.shape[0]
+    rows = jnp.arange(n)[:, None]
+    flat = buf.reshape(n, *buf.shape[-3:])
+    flat = flat.at[rows, dest].set(x.reshape(n, *x.shape[-3:]).astype(buf.dtype), mode="drop")
+    return flat.reshape(buf.shape)
+
+
+def _rolling_append(cache: RollingKVCache, key, value, num_new: Array) -> RollingKVCache:
+    """:func:`append` for a rolling cache: position ``p`` to slot ``p % capacity``."""
+    n, cap = int(np.prod(cache.lengths.shape, dtype=np.int64)), capacity(cache)
+    t = jnp.arange(key.shape[-3], dtype=jnp.int32)[None, :]  # [1, T]
+    real = num_new.reshape(n, 1)
+    # [B, T]: the last `cap` real tokens of each row get distinct slots; the rest (padding,
+    # and real tokens a later one of the same chunk overwrites) get `cap`: dropped.
+    kept = (t < real) & (t >= real - cap)
+    dest = jnp.where(kept, (cache.lengths.reshape(n, 1) + t) % cap, cap)
+    return RollingKVCache(
+        keys=_write(cache.keys, key, dest),
+        values=_write(cache.values, value, dest),
+        lengths=(cache.lengths + num_new).astype(jnp.int32),
     )
 
 
@@ -375,19 +443,15 @@ def attend(
       overflowed queries give zeros.
     """
     cache = _check_cache(cache)
-    is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "attend")
-    clash = sorted(set(attention_kwargs) & set(_OWN_MASK_ARGS))
-    if clash:
+    if isinstance(cache, RollingKVCache):
         raise TypeError(
-            f"attend() builds the decoding mask itself; do not pass {clash}. Use is_causal=, "
-            "local_window_size= or mask= instead."
+            "attend() reads a cache after append(), and a rolling cache's append may have "
+            "overwritten keys the chunk's first queries need. Use update_and_attend(), which "
+            "attends over the cache before the append plus the chunk."
         )
-    query = jnp.asarray(query)
-    if query.ndim != cache.keys.ndim or query.shape[:-3] != cache.keys.shape[:-3]:
-        raise ValueError(
-            f"query must have shape [*{cache.keys.shape[:-3]}, T, num_heads, head_dim] to match "
-            f"the cache, got {query.shape}."
-        )
+    is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "attend")
+    _check_attention_kwargs(attention_kwargs, "attend")
+    query = _check_query(query, cache)
     decoding = decode_mask(
         starts,
         cache.lengths,
@@ -406,8 +470,113 @@ def attend(
     )
 
 
+def _check_attention_kwargs(attention_kwargs, where: str) -> None:
+    clash = sorted(set(attention_kwargs) & set(_OWN_MASK_ARGS))
+    if clash:
+        raise TypeError(
+            f"{where}() builds the decoding mask itself; do not pass {clash}. Use is_causal=, "
+            "local_window_size= or mask= instead."
+        )
+
+
+def _check_query(query, cache: AnyCache) -> Array:
+    query = jnp.asarray(query)
+    if query.ndim != cache.keys.ndim or query.shape[:-3] != cache.keys.shape[:-3]:
+        raise ValueError(
+            f"query must have shape [*{cache.keys.shape[:-3]}, T, num_heads, head_dim] to match "
+            f"the cache, got {query.shape}."
+        )
+    return query
+
+
+def _rolling_window(cap: int, window) -> tuple[int, int | None]:
+    """The ``(left, right)`` window of attention through a rolling cache of ``cap`` slots."""
+    if window is None:
+        return cap, None
+    left, right = window
+    if left > cap:
+        raise ValueError(
+            f"local_window_size left side ({left}) exceeds the rolling cache's capacity ({cap}): "
+            f"it keeps only the {cap} tokens before a chunk. Build the cache with capacity >= "
+            f"{left}, or use a window of at most {cap}."
+        )
+    return left, right
+
+
+def rolling_mask(
+    starts,
+    q_len: int,
+    cap: int,
+    *,
+    num_new=None,
+    is_causal: bool = True,
+    local_window_size: int | tuple[int, int | None] | None = None,
+) -> Array:
+    """The mask of a chunk attending through a rolling cache: bool ``[batch..., 1, T, cap + T]``.
+
+    Keys ``0 ... cap-1`` are the cache's slots *before* the chunk (slot ``j`` holds the
+    latest position ``p < starts`` with ``p % cap == j``, if any); keys ``cap ... cap+T-1``
+    are the chunk's own, at positions ``starts + t``. Query ``t`` (at ``q = starts + t``,
+    real iff ``t < num_new``) sees a real key at position ``k`` iff ``q - left <= k``,
+    ``k <= q + right`` (when ``right`` is not None) and, if ``is_causal``, ``k <= q``.
+
+    Args:
+      starts: int ``[batch...]``: tokens each row had seen before the chunk.
+      q_len: chunk length ``T``.
+      cap: the cache capacity.
+      num_new: int ``[batch...]``: real tokens of the chunk per row; default ``q_len``.
+      is_causal: hide keys after the query's position.
+      local_window_size: ``(left, right)`` or an int; left at most ``cap`` (the default).
+    """
+    _checks.flag(is_causal, "is_causal")
+    window = (
+        None if local_window_size is None else _checks.window(local_window_size, open_right=True)
+    )
+    left, right = _rolling_window(cap, window)
+    starts = jnp.asarray(starts)
+    if not jnp.issubdtype(starts.dtype, jnp.integer):
+        raise TypeError(f"starts must hold integers (token counts), got dtype {starts.dtype}.")
+    starts = starts.astype(jnp.int32)
+    lead = (1,) * starts.ndim
+    s = starts[..., None]  # [batch..., 1]
+    j = jnp.arange(cap, dtype=jnp.int32).reshape(*lead, cap)
+    t = jnp.arange(q_len, dtype=jnp.int32).reshape(*lead, q_len)
+    real = _num_new(num_new, starts.shape, q_len)[..., None]  # [batch..., 1]
+    # [batch..., cap + T]: each key's position and whether it holds a real token
+    slot_pos = s - 1 - jnp.remainder(s - 1 - j, cap)
+    key_pos = jnp.concatenate([slot_pos, s + t], axis=-1)
+    key_real = jnp.concatenate([slot_pos >= 0, t < real], axis=-1)
+    q_pos, q_real = s + t, t < real  # [batch..., T]
+    # [batch..., T, cap + T]: distance from each query back to each key
+    back = q_pos[..., :, None] - key_pos[..., None, :]
+    visible = key_real[..., None, :] & q_real[..., :, None] & (back <= left)
+    if right is not None:
+        visible &= back >= -right
+    if is_causal:
+        visible &= back >= 0
+    return visible[..., None, :, :]
+
+
+def _rolling_update_and_attend(cache, query, key, value, *, num_new, mask, is_causal, window, **kw):
+    """:func:`update_and_attend` for a rolling cache: attend over it and the chunk, then write."""
+    cap = capacity(cache)
+    query = _check_query(query, cache)
+    starts = cache.lengths
+    updated = append(cache, key, value, num_new=num_new)  # checks the chunk's shapes
+    visible = rolling_mask(
+        starts, query.shape[-3], cap, num_new=num_new, is_causal=is_causal, local_window_size=window
+    )
+    # [batch..., cap + T, K, D]: the keys before the chunk, then the chunk's (in the cache dtype)
+    keys = jnp.concatenate([cache.keys, jnp.asarray(key, cache.keys.dtype)], axis=-3)
+    values = jnp.concatenate([cache.values, jnp.asarray(value, cache.values.dtype)], axis=-3)
+    out = functional.dot_product_attention(
+        query, keys, values, mask=masks_lib.combine_masks(visible, mask), **kw
+    )
+    return out, updated
+
+
 def update_and_attend(
-    cache: KVCache,
+    cache: AnyCache,
     query,
     key,
     value,
@@ -432,12 +601,27 @@ def update_and_attend(
 
     Returns:
       ``(output, cache)``: the attention output as :func:`attend` (a pair with
-      ``return_weights``) and the updated cache.
+      ``return_weights``) and the updated cache. With a :class:`RollingKVCache` the keys
+      are the cache's slots before the chunk, then the chunk's (:func:`rolling_mask`), so
+      ``mask`` and the weights have ``capacity + T`` keys.
     """
     cache = _check_cache(cache)
     is_causal, window = _mask_options(
         is_causal, local_window_size, causal, window, "update_and_attend"
     )
+    if isinstance(cache, RollingKVCache):
+        _check_attention_kwargs(attention_kwargs, "update_and_attend")
+        return _rolling_update_and_attend(
+            cache,
+            query,
+            key,
+            value,
+            num_new=num_new,
+            mask=mask,
+            is_causal=is_causal,
+            window=window,
+            **attention_kwargs,
+        )
     starts = cache.lengths
     cache = append(cache, key, value, num_new=num_new)
     out = attend(

@@ -12,8 +12,11 @@ Book (PyTorch) -> ``jattn.linen`` (parameter names):
   dropout, num_heads, qkv_bias=False)``: ``heads_{i}/W_query/...`` (the book's
   ``heads.{i}.W_query``).
 * ``MultiHeadAttention`` -> ``MultiHeadAttention(d_out, context_length, dropout, num_heads,
-  qkv_bias=False, *, num_kv_heads=None)``: ``W_query``, ``W_key``, ``W_value``,
-  ``out_proj`` (``{kernel, bias}``).
+  qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True, qk_norm=False,
+  qk_norm_eps=1e-6, rope=None)``: ``W_query``, ``W_key``, ``W_value``, ``out_proj``
+  (``{kernel, bias}``), and ``q_norm``/``k_norm`` (``{scale}``) with ``qk_norm``. The
+  keyword options after ``num_kv_heads`` are the book's Llama 3 / Qwen3 attention
+  (:mod:`jattn.models`); their defaults are chapter 3's class.
 
 ``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
 the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
@@ -47,7 +50,11 @@ Conventions shared by every class:
   chunks of any length (a prompt, then one token at a time) appends to it and attends over
   everything cached, causally per row. ``num_new=[batch...]`` says how many tokens of each
   row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
-  ValueError in eager calls; under jit see :mod:`jattn.kvcache`.
+  ValueError in eager calls; under jit see :mod:`jattn.kvcache`. A rolling cache
+  (sliding-window attention over the last ``capacity`` tokens, no overflow) is a
+  ``cache`` collection whose ``kv`` is ``jattn.kvcache.init_cache(batch, capacity,
+  kv_heads, head_dim, rolling=True)``. With ``rope``, decoded tokens are rotated at each
+  row's cache length onward.
 * ``attention_implementation`` (every class): the core's ``implementation``. The default
   (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
   forward-mode autodiff; ``jax.jvp`` of an already jitted apply needs
@@ -66,6 +73,7 @@ import jax.numpy as jnp
 
 from jattn import _module_utils as mu
 from jattn import kvcache
+from jattn.rope import RoPE
 
 __all__ = [
     "CausalAttention",
@@ -201,8 +209,9 @@ class _Dropout(_Projections):
             **self._numerics(),
         )
 
-    def _attend(self, x, queries, keys, values, *, num_kv_heads=1, num_new=None, **kwargs):
+    def _attend(self, x, queries, keys, values, *, heads=None, num_new=None, **kwargs):
         """``mu.attend``; in decode mode through (and updating) the ``cache`` variable ``kv``."""
+        num_kv_heads = 1 if heads is None else heads.num_kv_heads
         initialized = self.decode and self.has_variable("cache", "kv")
         if self.decode and not (self.is_initializing() or self.is_mutable_collection("cache")):
             raise ValueError(
@@ -224,15 +233,13 @@ class _Dropout(_Projections):
             )
         if not initialized:  # not decoding, or init (which only creates the cache)
             kw = {} if self.decode else {"num_new": num_new}
-            return mu.attend(
-                self.config, queries, keys, values, num_kv_heads=num_kv_heads, **kwargs, **kw
-            )
+            return mu.attend(self.config, queries, keys, values, heads=heads, **kwargs, **kw)
         out, cache.value = mu.attend(
             self.config,
             queries,
             keys,
             values,
-            num_kv_heads=num_kv_heads,
+            heads=heads,
             cache=cache.value,
             num_new=num_new,
             **kwargs,
@@ -496,12 +503,21 @@ class MultiHeadAttention(_Dropout):
     serves ``num_heads // num_kv_heads`` query heads (grouped-query attention; not in the
     book).
 
+    The book's later models (Llama 3, Qwen3) need four more options, keyword-only, whose
+    defaults keep chapter 3's class and its parameter tree: ``head_dim`` (heads of their
+    own width: ``W_query [d_in, num_heads * head_dim]``, ``W_key``/``W_value [d_in,
+    num_kv_heads * head_dim]``, ``out_proj [num_heads * head_dim, d_out]``, scale
+    ``1/sqrt(head_dim)``), ``out_bias=False``, ``qk_norm`` (submodules ``q_norm`` and
+    ``k_norm``: RMSNorm over ``head_dim``, parameter ``scale [head_dim]``, applied to every
+    head after the split) and ``rope`` (queries and keys rotated after QK-norm, before the
+    KV-cache append, at the call's ``positions``).
+
     Attributes:
-      d_out: output width (and width of the query projection).
+      d_out: output width (and, by default, width of the query projection).
       context_length: the most tokens a call may have.
       dropout: probability of dropping an attention weight, in [0, 1).
-      num_heads: number of query heads; must divide ``d_out``.
-      qkv_bias: add a bias to the Q/K/V projections (``out_proj`` always has one).
+      num_heads: number of query heads; must divide ``d_out`` unless ``head_dim`` is given.
+      qkv_bias: add a bias to the Q/K/V projections.
       num_kv_heads: number of key/value heads (GQA); default ``num_heads``.
       model_axis: tensor parallelism (not in the book): the mesh axis to split the heads
         over. The Q/K/V kernels ``[d_in, heads * head_dim]`` and biases are partitioned
@@ -509,6 +525,11 @@ class MultiHeadAttention(_Dropout):
         ``nn.with_partitioning``: ``init`` returns ``nn.Partitioned`` boxes whose
         ``nn.get_partition_spec`` gives the shardings. Default None: no annotations,
         plain arrays. Pick a head count divisible by the axis size.
+      head_dim: features per head; None: ``d_out // num_heads`` (the book).
+      out_bias: ``out_proj`` has a bias (the book's chapter 3: True; Llama 3 / Qwen3: False).
+      qk_norm: RMSNorm on every query and key head (Qwen3).
+      qk_norm_eps: epsilon of those RMSNorms (> 0).
+      rope: a :class:`jattn.rope.RoPE` (Llama 3 / Qwen3), or None; needs an even head_dim.
     """
 
     d_out: int
@@ -519,6 +540,11 @@ class MultiHeadAttention(_Dropout):
     _: dataclasses.KW_ONLY
     num_kv_heads: int | None = None
     model_axis: str | None = None
+    head_dim: int | None = None
+    out_bias: bool = True
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    rope: RoPE | None = None
 
     def __post_init__(self):
         mu.check_config(
@@ -528,7 +554,9 @@ class MultiHeadAttention(_Dropout):
             dropout=self.dropout,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
+            split_d_out=self.head_dim is None,
         )
+        self.head_config  # validates the head options once  # noqa: B018
         super().__post_init__()
 
     @property
@@ -537,13 +565,33 @@ class MultiHeadAttention(_Dropout):
         return dataclasses.replace(super().config, model_axis=self.model_axis)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_out // self.num_heads
+    def head_config(self) -> mu.HeadConfig:
+        """The heads' layout and what happens to queries and keys (resolved ``head_dim``)."""
+        return mu.HeadConfig.build(
+            type(self).__name__,
+            d_out=self.d_out,
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            out_bias=self.out_bias,
+            qk_norm=self.qk_norm,
+            qk_norm_eps=self.qk_norm_eps,
+            rope=self.rope,
+        )
 
     @property
     def kv_heads(self) -> int:
         """Number of key/value heads actually used (``num_kv_heads`` or ``num_heads``)."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def _qk_norms(self, heads: mu.HeadConfig):
+        """``(q_norm, k_norm)`` submodules (RMSNorm over head_dim), or None."""
+        if not heads.qk_norm:
+            return None
+        norm = functools.partial(
+            nn.RMSNorm, epsilon=heads.qk_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype
+        )
+        return norm(name="q_norm"), norm(name="k_norm")
 
     @nn.compact
     def __call__(
@@ -555,6 +603,7 @@ class MultiHeadAttention(_Dropout):
         return_weights: bool = False,
         sow_weights: bool = False,
         num_new=None,
+        positions=None,
     ):
         """Multi-head causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
 
@@ -568,6 +617,8 @@ class MultiHeadAttention(_Dropout):
           sow_weights: sow them into ``intermediates/attention_weights``.
           num_new: decode mode only: int ``[batch...]``, the real tokens of each row of
             ``x`` (the rest is right padding); default all ``T``.
+          positions: with ``rope`` only: int ``[batch..., T]`` (broadcastable) positions of
+            the tokens; default ``0 ... T-1``, in decode mode each row's cache length onward.
 
         Returns:
           ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
@@ -575,18 +626,20 @@ class MultiHeadAttention(_Dropout):
         """
         x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
-        # 1. projections: [batch..., T, d_out] and [batch..., T, kv_heads * head_dim]
+        heads = self.head_config
+        # 1. projections: [batch..., T, num_heads * head_dim], [batch..., T, kv_heads * head_dim]
         queries, keys, values = self._qkv(
-            x, self.d_out, self.kv_heads * self.head_dim, self.qkv_bias, self.model_axis
+            x, heads.q_features, heads.kv_features, self.qkv_bias, self.model_axis
         )
-        # 2. attention per head, heads merged back: [batch..., T, d_out]
+        # 2. QK-norm and RoPE per head, attention, heads merged: [batch..., T, H * head_dim]
         attended = self._attend(
             x,
             queries,
             keys,
             values,
-            num_heads=self.num_heads,
-            num_kv_heads=self.kv_heads,
+            heads=heads,
+            qk_norms=self._qk_norms(heads),
+            positions=positions,
             num_new=num_new,
             mask=mask,
             deterministic=deterministic,
@@ -596,5 +649,5 @@ class MultiHeadAttention(_Dropout):
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]
-        out = self._dense(self.d_out, "out_proj", True, self.model_axis, "rows")(context)
+        out = self._dense(self.d_out, "out_proj", heads.out_bias, self.model_axis, "rows")(context)
         return (out, weights) if return_weights else out

@@ -12,7 +12,9 @@ copy. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` 
 * ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_in, d_out, context_length,
   dropout, num_heads, qkv_bias=False, *, rngs)``
 * ``MultiHeadAttention`` -> ``MultiHeadAttention(d_in, d_out, context_length, dropout,
-  num_heads, qkv_bias=False, *, num_kv_heads=None, rngs)``
+  num_heads, qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True,
+  qk_norm=False, qk_norm_eps=1e-6, rope=None, rngs)`` (the options after
+  ``num_kv_heads``: the book's Llama 3 / Qwen3 attention, see the class)
 
 Conventions shared by every class:
 
@@ -46,7 +48,10 @@ Conventions shared by every class:
   prompt, then one token at a time) appends to it and attends over everything cached,
   causally per row. ``num_new=[batch...]`` says how many tokens of each row of the chunk
   are real (ragged prompts, right-padded). Overflowing the capacity is a ValueError in
-  eager calls; under jit see :mod:`jattn.kvcache`.
+  eager calls; under jit see :mod:`jattn.kvcache`. ``init_cache(..., rolling=True)``
+  makes a rolling cache instead: sliding-window attention over the last ``capacity``
+  tokens, never full. With ``rope``, decoded tokens are rotated at each row's cache
+  length onward.
 * ``attention_implementation=`` (every class): the core's ``implementation``. The default
   (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
   forward-mode autodiff; ``jax.jvp`` of an already jitted call needs ``'dense'``.
@@ -63,6 +68,7 @@ from flax import nnx
 
 from jattn import _module_utils as mu
 from jattn import kvcache
+from jattn.rope import RoPE
 
 __all__ = [
     "CausalAttention",
@@ -146,13 +152,17 @@ class _DropoutAttention(_Attention):
         """Deprecated name of :attr:`is_causal`."""
         return mu.resolve_causal(None, self.is_causal, type(self).__name__)
 
-    def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+    def init_cache(self, input_shape, dtype: Any = jnp.float32, *, rolling: bool = False) -> None:
         """Creates an empty KV cache for ``decode=True`` calls (and resets a filled one).
 
         Args:
           input_shape: ``(batch..., capacity, d_in)``, the shape of the longest input the
             cache must hold (flax's convention); ``capacity <= context_length``.
           dtype: dtype of the cached keys and values.
+          rolling: a rolling cache (:class:`jattn.kvcache.RollingKVCache`) of the last
+            ``capacity`` tokens: decoding attends over a sliding window (each token sees
+            itself and the ``capacity`` tokens before it) and never overflows, so a row may
+            run past ``context_length`` (a chunk still holds at most ``context_length``).
         """
         name = type(self).__name__
         try:
@@ -175,7 +185,12 @@ class _DropoutAttention(_Attention):
         num_kv_heads, head_dim = self._cache_layout()
         self.cache = nnx.Cache(
             kvcache.init_cache(
-                input_shape[:-2], input_shape[-2], num_kv_heads, head_dim, dtype=dtype
+                input_shape[:-2],
+                input_shape[-2],
+                num_kv_heads,
+                head_dim,
+                dtype=dtype,
+                rolling=rolling,
             )
         )
 
@@ -542,10 +557,10 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
             )
             setattr(self, f"heads_{i}", head)
 
-    def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+    def init_cache(self, input_shape, dtype: Any = jnp.float32, *, rolling: bool = False) -> None:
         """Creates (or resets) every head's KV cache; see :meth:`CausalAttention.init_cache`."""
         for head in self.heads:
-            head.init_cache(input_shape, dtype)
+            head.init_cache(input_shape, dtype, rolling=rolling)
 
     @property
     def heads(self) -> list[CausalAttention]:
@@ -609,13 +624,23 @@ class MultiHeadAttention(_DropoutAttention):
     value projections have ``num_kv_heads * head_dim`` features and each key/value head
     serves ``num_heads // num_kv_heads`` query heads (grouped-query attention).
 
-    Args: as :class:`CausalAttention`, plus ``num_heads`` (must divide ``d_out``) and
-    ``num_kv_heads`` (default ``num_heads``); ``qkv_bias`` applies to the Q/K/V projections
-    only (``out_proj`` always has a bias). ``model_axis`` (tensor parallelism, not in the
+    Args: as :class:`CausalAttention`, plus ``num_heads`` (must divide ``d_out`` unless
+    ``head_dim`` is given) and ``num_kv_heads`` (default ``num_heads``); ``qkv_bias``
+    applies to the Q/K/V projections only. ``model_axis`` (tensor parallelism, not in the
     book): the mesh axis to split the heads over; the Q/K/V kernels and biases get
     ``nnx.with_partitioning`` sharding metadata by columns, ``out_proj``'s kernel by rows
     (its bias replicated). Built under ``jax.set_mesh(mesh)`` the parameters are created
     sharded (flax's eager sharding); default None: no metadata, as before.
+
+    The book's later models (Llama 3, Qwen3) use four more keyword options, as
+    :class:`jattn.linen.MultiHeadAttention`: ``head_dim`` (None: ``d_out // num_heads``;
+    given: ``W_query [d_in, num_heads * head_dim]``, ``W_key``/``W_value [d_in,
+    num_kv_heads * head_dim]``, ``out_proj [num_heads * head_dim, d_out]``, a KV cache of
+    ``(num_kv_heads, head_dim)``, scale ``1/sqrt(head_dim)``), ``out_bias`` (False:
+    ``out_proj`` without bias), ``qk_norm`` / ``qk_norm_eps`` (``q_norm`` and ``k_norm``:
+    ``nnx.RMSNorm(head_dim)`` on every query and key head) and ``rope`` (a
+    :class:`jattn.rope.RoPE`: queries and keys rotated after QK-norm, before the cache
+    append, at the call's ``positions``).
     """
 
     def __init__(
@@ -629,6 +654,11 @@ class MultiHeadAttention(_DropoutAttention):
         *,
         num_kv_heads: int | None = None,
         model_axis: str | None = None,
+        head_dim: int | None = None,
+        out_bias: bool = True,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
+        rope: RoPE | None = None,
         is_causal: bool = True,
         causal: bool | None = None,
         deterministic: bool | None = None,
@@ -642,14 +672,27 @@ class MultiHeadAttention(_DropoutAttention):
         keep_rngs: bool = True,
         rngs: nnx.Rngs,
     ):
+        name = type(self).__name__
         self.kv_heads = mu.check_config(
-            type(self).__name__,
+            name,
             d_in=d_in,
             d_out=d_out,
             context_length=context_length,
             dropout=dropout,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
+            split_d_out=head_dim is None,
+        )
+        heads = mu.HeadConfig.build(
+            name,
+            d_out=d_out,
+            num_heads=num_heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=head_dim,
+            out_bias=out_bias,
+            qk_norm=qk_norm,
+            qk_norm_eps=qk_norm_eps,
+            rope=rope,
         )
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.context_length, self.num_heads, self.num_kv_heads = (
@@ -657,11 +700,11 @@ class MultiHeadAttention(_DropoutAttention):
             num_heads,
             num_kv_heads,
         )
-        self.head_dim = d_out // num_heads
+        self.head_config, self.head_dim = heads, heads.head_dim
         config = mu.ModuleConfig(
-            type(self).__name__,
+            name,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
+            is_causal=mu.resolve_causal(is_causal, causal, name),
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
@@ -672,20 +715,40 @@ class MultiHeadAttention(_DropoutAttention):
             model_axis=model_axis,
         )
         self._init_config(config, rngs)
+        self._init_layers(heads, kernel_init, bias_init, rngs)
+        self._init_dropout(deterministic=deterministic, keep_rngs=keep_rngs, rngs=rngs)
+
+    def _init_layers(self, heads: mu.HeadConfig, kernel_init, bias_init, rngs) -> None:
+        """``W_query``, ``W_key``, ``W_value``, ``out_proj`` and (QK-norm) ``q_norm``, ``k_norm``."""
         tp = functools.partial(mu.tensor_parallel_inits, nnx.with_partitioning)
+        model_axis = self.model_axis
         self._init_qkv(
-            d_in,
-            d_out,
-            self.kv_heads * self.head_dim,
-            qkv_bias,
+            self.d_in,
+            heads.q_features,
+            heads.kv_features,
+            self.qkv_bias,
             *tp(kernel_init, bias_init, model_axis, "columns"),
             rngs,
         )
         out_inits = tp(kernel_init, bias_init, model_axis, "rows")
-        self.out_proj = self._linear(d_out, d_out, True, *out_inits, rngs)
-        self._init_dropout(deterministic=deterministic, keep_rngs=keep_rngs, rngs=rngs)
+        self.out_proj = self._linear(heads.q_features, self.d_out, heads.out_bias, *out_inits, rngs)
+        norm = functools.partial(
+            nnx.RMSNorm,
+            heads.head_dim,
+            epsilon=heads.qk_norm_eps,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            rngs=rngs,
+        )
+        # nnx.data: a submodule or None, so the attribute is data either way
+        self.q_norm = nnx.data(norm() if heads.qk_norm else None)
+        self.k_norm = nnx.data(norm() if heads.qk_norm else None)
 
     model_axis = property(lambda self: self.config.model_axis)
+    out_bias = property(lambda self: self.head_config.out_bias)
+    qk_norm = property(lambda self: self.head_config.qk_norm)
+    qk_norm_eps = property(lambda self: self.head_config.qk_norm_eps)
+    rope = property(lambda self: self.head_config.rope)
 
     def _cache_layout(self) -> tuple[int, int]:
         return self.kv_heads, self.head_dim
@@ -695,6 +758,7 @@ class MultiHeadAttention(_DropoutAttention):
         x,
         mask=None,
         *,
+        positions=None,
         deterministic: bool | None = None,
         rngs: RngsArg = None,
         return_weights: bool = False,
@@ -708,6 +772,8 @@ class MultiHeadAttention(_DropoutAttention):
           x: ``[batch..., T, d_in]`` float array.
           mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``
             (e.g. :func:`jattn.masks.padding_mask`); ANDed with the causal mask.
+          positions: with ``rope`` only: int ``[batch..., T]`` (broadcastable) positions of
+            the tokens; default ``0 ... T-1``, with ``decode`` each row's cache length onward.
           deterministic: True for inference (no dropout); overrides the attribute.
           rngs: dropout key source for this call (overrides the stored stream).
           return_weights: also return the pre-dropout weights ``[batch..., num_heads, T, T]``.
@@ -723,17 +789,19 @@ class MultiHeadAttention(_DropoutAttention):
         name = type(self).__name__
         x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
         deterministic, dropout_rng = self._dropout_setup(deterministic, rngs)
-        # 1. projections: [batch..., T, d_out] and [batch..., T, kv_heads * head_dim]
+        heads = self.head_config
+        # 1. projections: [batch..., T, num_heads * head_dim], [batch..., T, kv_heads * head_dim]
         queries, keys, values = self._qkv(x)
-        # 2. attention per head, heads merged back: [batch..., T, d_out]
+        # 2. QK-norm and RoPE per head, attention, heads merged: [batch..., T, H * head_dim]
         attended = self._attend(
             queries,
             keys,
             values,
             decode=decode,
             num_new=num_new,
-            num_heads=self.num_heads,
-            num_kv_heads=self.kv_heads,
+            heads=heads,
+            qk_norms=None if self.q_norm is None else (self.q_norm, self.k_norm),
+            positions=positions,
             mask=mask,
             deterministic=deterministic,
             dropout_rng=dropout_rng,

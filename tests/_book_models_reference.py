@@ -104,11 +104,18 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def causal_attention(queries, keys, values, head_dim):
-    """(b, h, T, d) each; masked_fill(-inf) above the diagonal, softmax(scores / sqrt(d))."""
+def causal_attention(queries, keys, values, head_dim, window=None):
+    """(b, h, T, d) each; masked_fill(-inf) above the diagonal, softmax(scores / sqrt(d)).
+
+    ``window`` (not in the book): also hide keys more than ``window`` positions back
+    (sliding-window attention, what a rolling KV cache of ``window`` slots computes).
+    """
     t = queries.shape[2]
     scores = queries @ keys.transpose(0, 1, 3, 2)
-    scores = np.where(np.triu(np.ones((t, t), bool), 1), -np.inf, scores)
+    hidden = np.triu(np.ones((t, t), bool), 1)
+    if window is not None:
+        hidden |= np.tril(np.ones((t, t), bool), -window - 1)
+    scores = np.where(hidden, -np.inf, scores)
     return softmax(scores / head_dim**0.5) @ values
 
 
@@ -149,7 +156,7 @@ def gpt_forward(cfg, sd, in_idx):
 # ----------------------------------------------------------------------------------------
 
 
-def _gqa(x, sd, p, cfg, head_dim, cos, sin, norm_key):
+def _gqa(x, sd, p, cfg, head_dim, cos, sin, norm_key, window=None):
     b, t, _ = x.shape
     h, g = cfg["n_heads"], cfg["n_kv_groups"]
     queries = (
@@ -173,14 +180,14 @@ def _gqa(x, sd, p, cfg, head_dim, cos, sin, norm_key):
     keys = np.repeat(keys, h // g, axis=1)  # torch.repeat_interleave(group_size, dim=1)
     values = np.repeat(values, h // g, axis=1)
     context = (
-        causal_attention(queries, keys, values, head_dim)
+        causal_attention(queries, keys, values, head_dim, window)
         .transpose(0, 2, 1, 3)
         .reshape(b, t, h * head_dim)
     )
     return linear(context, sd, p + "att.out_proj", bias=False)
 
 
-def _rope_decoder(cfg, sd, in_idx, *, head_dim, freq_config, norm_key, eps):
+def _rope_decoder(cfg, sd, in_idx, *, head_dim, freq_config, norm_key, eps, window=None):
     t = in_idx.shape[1]
     cos, sin = compute_rope_params(head_dim, cfg["rope_base"], t, freq_config)
     x = np.asarray(sd["tok_emb.weight"], np.float64)[in_idx]
@@ -188,7 +195,7 @@ def _rope_decoder(cfg, sd, in_idx, *, head_dim, freq_config, norm_key, eps):
         p = f"trf_blocks.{i}."
         shortcut = x
         x = rms_norm(x, sd[p + "norm1." + norm_key], eps)
-        x = _gqa(x, sd, p, cfg, head_dim, cos, sin, norm_key) + shortcut
+        x = _gqa(x, sd, p, cfg, head_dim, cos, sin, norm_key, window) + shortcut
         shortcut = x
         x = rms_norm(x, sd[p + "norm2." + norm_key], eps)
         hidden = silu(linear(x, sd, p + "ff.fc1", bias=False)) * linear(
@@ -199,8 +206,12 @@ def _rope_decoder(cfg, sd, in_idx, *, head_dim, freq_config, norm_key, eps):
     return linear(x, sd, "out_head", bias=False)
 
 
-def llama3_forward(cfg, sd, in_idx):
-    """llama3.Llama3Model.forward: torch.nn.RMSNorm (key 'weight', eps 1e-5)."""
+def llama3_forward(cfg, sd, in_idx, window=None):
+    """llama3.Llama3Model.forward: torch.nn.RMSNorm (key 'weight', eps 1e-5).
+
+    ``window``: sliding-window attention (not in the book); sequences may then be longer
+    than ``context_length`` (the RoPE tables are computed for the sequence).
+    """
     return _rope_decoder(
         cfg,
         sd,
@@ -209,14 +220,22 @@ def llama3_forward(cfg, sd, in_idx):
         freq_config=cfg["rope_freq"],
         norm_key="weight",
         eps=1e-5,
+        window=window,
     )
 
 
-def qwen3_forward(cfg, sd, in_idx):
+def qwen3_forward(cfg, sd, in_idx, window=None):
     """qwen3.Qwen3Model.forward: qwen3.RMSNorm (key 'scale', eps 1e-6), QK-norm."""
     head_dim = cfg["head_dim"] if cfg["head_dim"] is not None else cfg["emb_dim"] // cfg["n_heads"]
     return _rope_decoder(
-        cfg, sd, in_idx, head_dim=head_dim, freq_config=None, norm_key="scale", eps=1e-6
+        cfg,
+        sd,
+        in_idx,
+        head_dim=head_dim,
+        freq_config=None,
+        norm_key="scale",
+        eps=1e-6,
+        window=window,
     )
 
 

@@ -31,6 +31,7 @@ from jattn import causality, convert, kernels, kvcache, masks, mods, ring
 from jattn import generate as gen
 from jattn import linen as jl
 from jattn import nnx as jn
+from jattn.rope import RoPE
 from jattn.toy import CopyTask, GPTConfig, TextTask, TinyGPT, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,8 +120,18 @@ def nnx_decode(*chunks, num_new=None):
         module(chunk, decode=True, num_new=num_new)
 
 
+def rope_mha(api):
+    """A call of a MultiHeadAttention with RoPE on X, taking the call's keyword arguments."""
+    if api == "nnx":
+        return functools.partial(nnx_mha(0.0, rope=RoPE()), X)
+    module = jl.MultiHeadAttention(8, 4, 0.0, 2, rope=RoPE())
+    variables = module.init(KEY, X)
+    return functools.partial(module.apply, variables, X)
+
+
 CACHE = kvcache.init_cache(2, 4, 1, 4)  # batch 2, capacity 4, 1 head of width 4
 CHUNK = jnp.ones((2, 2, 1, 4))
+ROLLING = kvcache.init_cache(2, 4, 1, 4, rolling=True)
 
 
 LOGITS = jnp.ones((2, 5))
@@ -398,6 +409,15 @@ CASES = [
     Case("linen.MultiHeadAttention", "decode=True without mutable=['cache']", V, "mutable=['cache']) with the cache from init", lambda: linen_decoder()[0].apply(linen_decoder()[1], X[:, :1])),
     Case("linen.MultiHeadAttention", "decode=True, params only, cache not mutable", V, "decode=True reads and extends the 'cache' collection", lambda: linen_decoder()[0].apply({"params": linen_decoder()[1]["params"]}, X[:, :1])),
     Case("linen.MultiHeadAttention", "broadcast_dropout='x'", V, "broadcast_dropout must be True, False", lambda: jl.MultiHeadAttention(8, 4, 0.1, 2, broadcast_dropout="x").init(KEY, X, deterministic=False, dropout_rng=KEY)),
+    Case("linen.MultiHeadAttention", "head_dim=0", V, "MultiHeadAttention: head_dim must be >= 1", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=0)),
+    Case("linen.MultiHeadAttention", "head_dim=4.0 (a float)", T, "head_dim must be an int", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=4.0)),
+    Case("linen.MultiHeadAttention", "odd head_dim with rope", V, "head_dim (3) must be even with rope=", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=3, rope=RoPE())),
+    Case("linen.MultiHeadAttention", "rope=10000.0 (not a RoPE)", T, "rope must be a jattn.rope.RoPE", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, rope=10_000.0)),
+    Case("linen.MultiHeadAttention", "qk_norm_eps=0", V, "qk_norm_eps must be > 0 and finite", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, qk_norm=True, qk_norm_eps=0.0)),
+    Case("linen.MultiHeadAttention", "qk_norm='yes'", T, "qk_norm must be a Python bool", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, qk_norm="yes")),
+    Case("linen.MultiHeadAttention", "positions without rope", V, "positions is only used with rope=", linen_call(positions=jnp.arange(4))),
+    Case("linen.MultiHeadAttention", "float positions", T, "positions must hold integers", lambda: rope_mha("linen")(positions=jnp.arange(4.0))),
+    Case("linen.MultiHeadAttention", "positions of another length than x", V, "positions must be int [batch..., T] broadcastable to (2, 4)", lambda: rope_mha("linen")(positions=jnp.arange(3))),
     Case("linen.CausalAttention", "dropout=-0.1", V, "CausalAttention: dropout must be in [0, 1)", lambda: jl.CausalAttention(4, 4, -0.1)),
     Case("linen.MultiHeadAttentionWrapper", "num_heads=0", V, "MultiHeadAttentionWrapper: num_heads must be >= 1", lambda: jl.MultiHeadAttentionWrapper(4, 4, 0.0, 0)),
     Case("linen.SelfAttentionV1", "d_out=-1", V, "SelfAttentionV1: d_out must be >= 1", lambda: jl.SelfAttentionV1(-1)),
@@ -420,6 +440,14 @@ CASES = [
     Case("nnx.MultiHeadAttention", "decode with num_new > chunk length", V, "num_new must be in [0, 4]", lambda: nnx_decode(X, num_new=jnp.array([5, 1]))),
     Case("nnx.MultiHeadAttention", "decode with float num_new", T, "num_new must hold integers", lambda: nnx_decode(X, num_new=jnp.array([1.0, 1.0]))),
     Case("nnx.MultiHeadAttention", "decode with another batch size", V, "to match the cache", lambda: nnx_decode(jnp.ones((3, 1, 6)))),
+    Case("nnx.MultiHeadAttention", "head_dim=-2", V, "MultiHeadAttention: head_dim must be >= 1", lambda: nnx_mha(0.0, head_dim=-2)),
+    Case("nnx.MultiHeadAttention", "odd head_dim with rope", V, "head_dim (5) must be even with rope=", lambda: nnx_mha(0.0, head_dim=5, rope=RoPE())),
+    Case("nnx.MultiHeadAttention", "rope={'theta_base': 1e4} (a dict)", T, "rope must be a jattn.rope.RoPE", lambda: nnx_mha(0.0, rope={"theta_base": 1e4})),
+    Case("nnx.MultiHeadAttention", "qk_norm_eps=-1e-6", V, "qk_norm_eps must be > 0 and finite", lambda: nnx_mha(0.0, qk_norm=True, qk_norm_eps=-1e-6)),
+    Case("nnx.MultiHeadAttention", "qk_norm_eps='1e-6'", T, "qk_norm_eps must be a float > 0", lambda: nnx_mha(0.0, qk_norm=True, qk_norm_eps="1e-6")),
+    Case("nnx.MultiHeadAttention", "out_bias=None", T, "out_bias must be a Python bool", lambda: nnx_mha(0.0, out_bias=None)),
+    Case("nnx.MultiHeadAttention", "positions without rope", V, "positions is only used with rope=", lambda: nnx_mha(0.0)(X, positions=jnp.arange(4))),
+    Case("nnx.MultiHeadAttention", "positions with too many batch dims", V, "broadcastable to (2, 4)", lambda: rope_mha("nnx")(positions=jnp.zeros((3, 2, 4), int))),
     Case("nnx.SelfAttentionV1", "dtype='flaot32'", T, "SelfAttentionV1: dtype must be a floating dtype such as", lambda: jn.SelfAttentionV1(3, 4, dtype="flaot32", rngs=nnx.Rngs(0))),
     # kvcache
     Case("kvcache.init_cache", "capacity=0", V, "capacity must be >= 1", lambda: kvcache.init_cache(2, 0, 1, 4)),
@@ -441,6 +469,12 @@ CASES = [
     Case("kvcache.attend", "starts of the wrong shape", V, "starts must have the batch shape (2,)", lambda: kvcache.attend(CACHE, CHUNK, starts=jnp.zeros(3, int))),
     Case("kvcache.attend", "local_window_size=-1", V, "local_window_size[0] (left) must be >= 0", lambda: kvcache.attend(CACHE, CHUNK, starts=CACHE.lengths, local_window_size=-1)),
     Case("kvcache.fits", "float num_new", T, "num_new must hold integers", lambda: kvcache.fits(CACHE, 1.5)),
+    Case("kvcache.init_cache", "rolling=1 (not a bool)", T, "rolling must be a Python bool", lambda: kvcache.init_cache(2, 4, 1, 4, rolling=1)),
+    Case("kvcache.update_and_attend", "rolling cache, window wider than its capacity", V, "exceeds the rolling cache's capacity (4)", lambda: kvcache.update_and_attend(ROLLING, CHUNK, CHUNK, CHUNK, local_window_size=(5, 0))),
+    Case("kvcache.attend", "a rolling cache", T, "Use update_and_attend()", lambda: kvcache.attend(ROLLING, CHUNK, starts=ROLLING.lengths)),
+    Case("kvcache.rolling_mask", "float starts", T, "starts must hold integers", lambda: kvcache.rolling_mask(jnp.zeros(2), 2, 4)),
+    Case("kvcache.rolling_mask", "float num_new", T, "num_new must hold integers", lambda: kvcache.rolling_mask(jnp.zeros(2, int), 2, 4, num_new=jnp.ones(2))),
+    Case("nnx.MultiHeadAttention.init_cache", "rolling='yes'", T, "rolling must be a Python bool", lambda: nnx_mha().init_cache((2, 4, 6), rolling="yes")),
     Case("kvcache.decode_mask", "q_len=0", V, "q_len must be >= 1", lambda: kvcache.decode_mask(jnp.zeros(2, int), jnp.zeros(2, int), 0, 4)),
     # generate
     Case("generate.sample_next", "temperature=-1", V, "temperature must be >= 0", sample(temperature=-1.0)),
@@ -463,6 +497,9 @@ CASES = [
     Case("generate.generate", "decode_fn='model'", T, "decode_fn must be a function", lambda: gen.generate("model", None, {}, jnp.ones((2, 3), jnp.int32), max_new_tokens=1)),
     Case("generate.generate", "a cache too small for prompt + new tokens", V, "the KV cache holds 4 positions per row", lambda: gen.generate(decode_fn, None, {"kv": CACHE}, jnp.ones((2, 3), jnp.int32), max_new_tokens=3)),
     # convert
+    Case("convert.to_numpy", "int values", T, "state_dict['w'] must hold floats", lambda: convert.to_numpy(np.ones(3, int), "w")),
+    Case("convert.to_numpy", "an Inf", V, "state_dict['w'] holds NaN or Inf values", lambda: convert.to_numpy(np.array([np.inf]), "w")),
+    Case("convert.to_numpy", "ragged nested lists", T, "state_dict['w'] cannot be converted to a numpy array", lambda: convert.to_numpy([[1.0], [1.0, 2.0]], "w")),
     Case("convert.from_torch_state_dict", "a list", T, "state_dict must be a mapping", lambda: convert.from_torch_state_dict([1, 2])),
     Case("convert.from_torch_state_dict", "an empty dict", V, "holds no attention parameters", lambda: convert.from_torch_state_dict({})),
     Case("convert.from_torch_state_dict", "an unknown key", V, "state_dict has unknown key 'foo'", from_torch({"foo": np.ones(2)})),

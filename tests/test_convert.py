@@ -82,6 +82,30 @@ def test_tensor_like_values_are_read_without_torch():
     )
 
 
+def test_to_numpy_reads_arrays_and_bfloat16():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(convert.to_numpy(a, "w"), a)
+    np.testing.assert_array_equal(convert.to_numpy([[1.0, 2.0]], "w"), [[1.0, 2.0]])
+    half = a.astype(jnp.bfloat16)  # ml_dtypes' bfloat16: kept as it is
+    assert convert.to_numpy(half, "w").dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match=r"state_dict\['w'\] must hold floats, got dtype int64"):
+        convert.to_numpy(np.ones(3, np.int64), "w")
+    with pytest.raises(ValueError, match=r"state_dict\['w'\] holds NaN or Inf"):
+        convert.to_numpy(np.array([1.0, np.inf], jnp.bfloat16), "w")
+
+
+@pytest.mark.torch
+def test_to_numpy_reads_torch_bfloat16_tensors_exactly():
+    torch = pytest.importorskip("torch")
+    t = torch.randn(3, 4, dtype=torch.float32).to(torch.bfloat16)
+    array = convert.to_numpy(t, "out_proj.weight")
+    assert array.dtype == np.float32
+    np.testing.assert_array_equal(array, t.float().numpy())
+    sd = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in MHA_SD.items()}
+    params = convert.from_torch_state_dict(sd)["params"]
+    np.testing.assert_array_equal(params["W_key"]["kernel"], sd["W_key.weight"].float().numpy().T)
+
+
 def _without(sd, key):
     return {k: v for k, v in sd.items() if k != key}
 

@@ -47,7 +47,7 @@ ALL = sorted(p.stem for p in EXAMPLES_DIR.glob("[0-9][0-9]_*.py"))
 
 
 def test_every_example_is_listed():
-    assert len(ALL) == 6, f"expected six examples in examples/, found {ALL}"
+    assert len(ALL) == 7, f"expected seven examples in examples/, found {ALL}"
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -227,3 +227,40 @@ def test_06_padded_attention_matches_numpy_and_traces_once():
         np.testing.assert_allclose(out[:5], expected, rtol=1e-5, atol=1e-5)
         assert np.all(out[5:] == 0)
     assert counter[0] == 1
+
+
+# --- 7. The book's models ----------------------------------------------------------------
+
+SMALL_07 = ("--layers", "1", "--emb-dim", "32", "--context", "32", "--vocab", "64",
+            "--prompt-len", "4", "--new-tokens", "6", "--repeats", "1")  # fmt: skip
+
+
+def test_07_book_models_agree_with_the_books_pytorch_models(tmp_path):
+    mod = load("07_book_models")
+    rows = run("07_book_models", tmp_path, *SMALL_07)
+    assert [r.arch for r in rows] == ["gpt2", "llama3", "qwen3"]
+    assert all(r.jattn_tok_s > 0 for r in rows)
+    if not mod.book_available():
+        assert all(r.max_logit_diff is None and r.book_tok_s is None for r in rows)
+        return
+    for r in rows:
+        assert r.weights.startswith("book") and r.max_logit_diff <= 1e-4, r
+        assert r.same_tokens is True and r.book_tok_s > 0, r
+
+
+def test_07_runs_without_torch(tmp_path, monkeypatch, capsys):
+    mod = load("07_book_models")
+    monkeypatch.setattr(mod, "book_available", lambda: False)
+    rows = run("07_book_models", tmp_path, *SMALL_07, "--models", "qwen3")
+    assert "not installed: jattn's own initialization" in capsys.readouterr().out
+    (row,) = rows
+    assert row.weights == "jattn init" and row.book_tok_s is None and row.jattn_tok_s > 0
+
+
+def test_07_small_configs_parse():
+    mod = load("07_book_models")
+    from jattn import models
+
+    for arch, cfg in mod.configs(2, 64, 128, 512).items():
+        parsed = models.config_from_book(arch, cfg)
+        assert parsed.n_layers == 2 and parsed.emb_dim == 64

@@ -331,3 +331,114 @@ def test_long_ragged_prefill_equals_full_causal_attention(rng):
     np.testing.assert_allclose(out[1, :130], ref[1, :130], atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(out[1, 130:], 0.0)
     np.testing.assert_array_equal(cache.lengths, [140, 130])
+
+
+# ----------------------------------------------------------------------------------------
+# Rolling caches: the last `capacity` tokens, sliding-window attention
+# ----------------------------------------------------------------------------------------
+
+
+def windowed(q, k, v, left):
+    """Reference: jax.nn's causal attention with keys p - left ... p visible."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(left, 0))
+
+
+def test_rolling_cache_is_its_own_type_and_writes_modulo_capacity(rng):
+    cache = kv.init_cache(2, 4, 1, 2, rolling=True)
+    assert isinstance(cache, kv.RollingKVCache) and kv.capacity(cache) == 4
+    assert len(jax.tree.leaves(cache)) == 3
+    _, k, v = qkv(rng, 7, batch=(2,), kv_heads=1, dim=2)
+    # row 0: 7 tokens (positions 0-6), row 1: 2 tokens, then 3 more for both
+    cache = kv.append(cache, k, v, num_new=jnp.array([7, 2]))
+    cache = kv.append(cache, k[:, :3], v[:, :3])
+    np.testing.assert_array_equal(cache.lengths, [10, 5])
+    # numpy: position p of a row's sequence lives in slot p % 4 (the latest one wins)
+    for b, seq in enumerate((np.concatenate([k[0], k[0, :3]]), np.concatenate([k[1, :2], k[1, :3]]))):
+        expected = np.zeros((4, 1, 2), np.float32)
+        for p, key in enumerate(seq):
+            expected[p % 4] = key
+        np.testing.assert_array_equal(cache.keys[b], expected)
+    np.testing.assert_array_equal(kv.fits(cache, jnp.array([100, 100])), [True, True])
+
+
+@pytest.mark.parametrize("chunks", [[1] * 9, [7, 1, 1, 1, 1], [3, 2, 4], [11]])
+def test_rolling_cache_equals_full_windowed_attention_over_long_sequences(chunks, rng):
+    # capacity 4, sequences of 3 * capacity and more: every slot is overwritten twice
+    lengths = np.array([sum(chunks) + 3 * 4, sum(chunks) + 3 * 4 - 2, 3 * 4])
+    total = int(lengths.max())
+    q, k, v = qkv(rng, total)
+    ref = windowed(q, k, v, 4)
+    cache = kv.init_cache(B, 4, K, D, rolling=True)
+    outs = [[] for _ in range(B)]
+    sizes = chunks + [1] * (total - sum(chunks))
+    start = 0
+    for n in sizes:
+        num_new = np.clip(lengths - start, 0, n)  # ragged: rows run out at their own lengths
+        sl = slice(start, start + n)
+        o, cache = jit_step(cache, q[:, sl], k[:, sl], v[:, sl], num_new=jnp.asarray(num_new))
+        for b in range(B):
+            outs[b].append(o[b, : num_new[b]])
+        np.testing.assert_array_equal(o[np.arange(n)[None, :] >= num_new[:, None]], 0.0)
+        start += n
+    for b in range(B):
+        got = np.concatenate(outs[b])
+        np.testing.assert_allclose(got, ref[b, : lengths[b]], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, lengths)
+
+
+def test_rolling_cache_with_a_smaller_window_and_two_batch_dims(rng):
+    q, k, v = qkv(rng, 13, batch=(2, 2))
+    ref = windowed(*(x.reshape(4, *x.shape[2:]) for x in (q, k, v)), 3).reshape(q.shape)
+    cache = kv.init_cache((2, 2), 5, K, D, rolling=True)
+    outs = []
+    for sl in (slice(0, 6), *(slice(t, t + 1) for t in range(6, 13))):
+        o, cache = jit_step(cache, q[..., sl, :, :], k[..., sl, :, :], v[..., sl, :, :],
+                            local_window_size=(3, 0))  # fmt: skip
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=-3), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"left side \(6\) exceeds the rolling cache's capacity"):
+        kv.update_and_attend(cache, q[..., :1, :, :], k[..., :1, :, :], v[..., :1, :, :],
+                             local_window_size=6)  # fmt: skip
+
+
+def test_rolling_mask_equals_numpy():
+    starts, num_new, cap, t = np.array([0, 3, 9]), np.array([2, 2, 1]), 4, 2
+    got = np.asarray(kv.rolling_mask(jnp.asarray(starts), t, cap, num_new=jnp.asarray(num_new)))
+    assert got.shape == (3, 1, t, cap + t)
+    for b, s in enumerate(starts):
+        # slot j holds the latest p < s with p % cap == j; then the chunk at s, s + 1
+        slots = [max((p for p in range(s) if p % cap == j), default=-1) for j in range(cap)]
+        key_pos = slots + [s + i for i in range(t)]
+        key_real = [p >= 0 for p in slots] + [i < num_new[b] for i in range(t)]
+        for i in range(t):
+            qp = s + i
+            want = [
+                bool(real and i < num_new[b] and 0 <= qp - p <= cap)
+                for p, real in zip(key_pos, key_real, strict=True)
+            ]
+            np.testing.assert_array_equal(got[b, 0, i], want)
+
+
+def test_rolling_decode_step_traces_once_and_scans(rng):
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(cache, q, k, v):
+        return kv.update_and_attend(cache, q, k, v)
+
+    q, k, v = qkv(rng, 20)
+    cache = kv.init_cache(B, 3, K, D, rolling=True)
+    outs = []
+    for i in range(20):  # far past the capacity: lengths grow, shapes do not
+        o, cache = step(cache, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+        outs.append(o)
+    np.testing.assert_array_equal(cache.lengths, [20, 20, 20])
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), windowed(q, k, v, 3), atol=1e-5, rtol=1e-5)
+
+
+def test_rolling_cache_refuses_attend_after_append(rng):
+    q, k, v = qkv(rng, 2)
+    cache = kv.append(kv.init_cache(B, 4, K, D, rolling=True), k, v)
+    with pytest.raises(TypeError, match="Use update_and_attend"):
+        kv.attend(cache, q, starts=jnp.zeros(B, jnp.int32))
+    with pytest.raises(TypeError, match="rolling must be a Python bool"):
+        kv.init_cache(B, 4, K, D, rolling=1)

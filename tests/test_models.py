@@ -4,12 +4,8 @@ References: a float64 numpy transcription of the book's forward passes
 (tests/_book_models_reference.py) always; the book's own PyTorch classes when torch and
 llms-from-scratch are installed (``@pytest.mark.torch``).
 
-Llama 3 and Qwen3 need ``MultiHeadAttention(rope=, qk_norm=, head_dim=, out_bias=)``
-(phase 2 of issue 18); their tests are marked ``phase2`` and skip until the module has
-those options. Phase 2 removes that skip.
+Only the tests that need torch / llms-from-scratch skip (when those are absent).
 """
-
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +46,7 @@ FORWARD = {"gpt2": gpt_forward, "llama3": llama3_forward, "qwen3": qwen3_forward
 CFGS = {"gpt2": GPT_CFG, "llama3": LLAMA_CFG, "qwen3": QWEN_CFG}
 PROMPT = np.array([[3, 14, 15, 92, 65, 35], [89, 79, 32, 38, 46, 26]])
 
-PHASE2 = "rope" in inspect.signature(jnnx.MultiHeadAttention.__init__).parameters
-phase2 = pytest.mark.skipif(
-    not PHASE2,
-    reason="phase 2 of issue 18: MultiHeadAttention(rope=, qk_norm=, head_dim=, out_bias=)",
-)
-ARCHS = ["gpt2", pytest.param("llama3", marks=phase2), pytest.param("qwen3", marks=phase2)]
+ARCHS = ["gpt2", "llama3", "qwen3"]
 
 
 def load(arch, cfg=None, seed=0):
@@ -88,9 +79,9 @@ def test_gpt_with_qkv_bias_and_dropout_in_eval_mode():
 @pytest.mark.parametrize(
     "arch,cfg",
     [
-        pytest.param("llama3", {**LLAMA_CFG, "rope_freq": None, "n_kv_groups": 4}, marks=phase2),
-        pytest.param("llama3", {**LLAMA_CFG, "n_kv_groups": 1}, marks=phase2),
-        pytest.param("qwen3", {**QWEN_CFG, "qk_norm": False, "head_dim": None}, marks=phase2),
+        ("llama3", {**LLAMA_CFG, "rope_freq": None, "n_kv_groups": 4}),
+        ("llama3", {**LLAMA_CFG, "n_kv_groups": 1}),
+        ("qwen3", {**QWEN_CFG, "qk_norm": False, "head_dim": None}),
     ],
 )
 def test_rope_models_in_other_settings(arch, cfg):
@@ -295,6 +286,35 @@ def test_greedy_generation_equals_the_books_loop_cached_or_not(arch):
     np.testing.assert_array_equal(cached, uncached)
     np.testing.assert_array_equal(cached, greedy_reference(arch, CFGS[arch], sd, PROMPT, 12))
     assert not hasattr(model.trf_blocks[0].att, "cache")  # the model was not modified
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_window_generates_past_the_context_as_windowed_attention(arch):
+    # context 16, a rolling cache of 5 positions, 6 + 14 tokens: past the context.
+    cfg = {**CFGS[arch], "context_length": 16}
+    model, sd = load(arch, cfg)
+    out = models.generate(model, PROMPT, 14, window=5)
+    idx = PROMPT
+    for _ in range(14):  # the book's loop, uncropped, on the windowed transcription
+        logits = FORWARD[arch](cfg, sd, idx, window=5)
+        idx = np.concatenate([idx, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, idx[:, PROMPT.shape[1] :])
+    # Within window + 1 positions, the rolling cache changes nothing.
+    np.testing.assert_array_equal(
+        models.generate(model, PROMPT, 6, window=10), models.generate(model, PROMPT, 6)
+    )
+
+
+def test_rolling_cache_decode_equals_the_windowed_forward_pass():
+    cfg = {**QWEN_CFG, "context_length": 16}
+    model, sd = load("qwen3", cfg)
+    seq = np.concatenate([PROMPT, PROMPT[:, ::-1], PROMPT], axis=1)  # 18 tokens
+    model.init_cache(2, 4, rolling=True)
+    steps = [model(seq[:, :7], decode=True)]  # a prefill longer than the cache
+    steps += [model(seq[:, t : t + 1], decode=True) for t in range(7, 18)]
+    ref = qwen3_forward(cfg, sd, seq, window=4)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), ref, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(model.cache_lengths(), [18, 18])
 
 
 def test_sampling_is_fixed_by_the_key():
@@ -594,6 +614,21 @@ GPT = models.GPTModel(GPT_CFG, rngs=nnx.Rngs(0))
             lambda: models.generate(GPT, np.ones(5, int), 3),
             ValueError,
             r"\[batch, prompt_len\].*token_ids\[None\]",
+        ),
+        (
+            lambda: models.generate(GPT, np.ones((1, 20), int), 14, window=8),
+            ValueError,
+            "GPT-2's position embedding ends at the context",
+        ),
+        (
+            lambda: models.generate(GPT, PROMPT, 3, window=0),
+            ValueError,
+            r"window must be None or an int in \[1, 32\]",
+        ),
+        (
+            lambda: models.generate(GPT, PROMPT, 3, window=4, use_cache=False),
+            ValueError,
+            "needs use_cache=True",
         ),
         (lambda: models.generate(GPT, PROMPT, 0), ValueError, "max_new_tokens must be an int >= 1"),
         (

@@ -12,7 +12,8 @@ logits ``[batch..., T, vocab_size]`` from ``model(token_ids)``, and decodes with
   PyTorch ``state_dict()`` (torch tensors or numpy arrays; torch is never imported);
   :func:`to_book_state_dict` goes back.
 * :func:`generate` ``(model, token_ids, max_new_tokens, temperature, top_k, key)``
-  generates with the KV cache in one compiled program.
+  generates with the KV cache in one compiled program; ``window=`` decodes through
+  rolling caches (sliding-window attention), so Llama 3 / Qwen3 can run past the context.
 """
 
 from jattn.models.base import LanguageModel

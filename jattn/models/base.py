@@ -30,6 +30,9 @@ class LanguageModel(nnx.Module):
     cfg: Any
     dtype: Any  # of the activations and the KV cache
     trf_blocks: nnx.List
+    # Whether positions end at cfg.context_length (a learned position embedding, GPT-2);
+    # RoPE models can decode past it through rolling KV caches.
+    positions_limited: bool = False
 
     @staticmethod
     def check_rngs(rngs, name: str) -> None:
@@ -108,7 +111,12 @@ class LanguageModel(nnx.Module):
     # ------------------------------------------------------------------------------------
 
     def init_cache(
-        self, batch_shape: int | tuple[int, ...] = 1, capacity: int | None = None, dtype=None
+        self,
+        batch_shape: int | tuple[int, ...] = 1,
+        capacity: int | None = None,
+        dtype=None,
+        *,
+        rolling: bool = False,
     ) -> None:
         """Creates an empty KV cache in every attention layer (and resets a filled one).
 
@@ -118,6 +126,11 @@ class LanguageModel(nnx.Module):
             ``context_length`` (the default). Each decoding step works over the whole
             cache, so size it to what the run needs.
           dtype: dtype of the cached keys and values; default the model's ``dtype``.
+          rolling: rolling caches (:class:`jattn.kvcache.RollingKVCache`) of the last
+            ``capacity`` tokens: decoding attends over a sliding window (each token sees
+            itself and the ``capacity`` tokens before it), and rows may run past
+            ``context_length`` (Llama 3 / Qwen3 only: RoPE has no position limit, GPT-2's
+            position embedding has ``context_length`` rows).
         """
         batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
         capacity = self.cfg.context_length if capacity is None else capacity
@@ -132,7 +145,7 @@ class LanguageModel(nnx.Module):
             )
         dtype = self.dtype if dtype is None else dtype
         for block in self.trf_blocks:
-            block.att.init_cache((*batch_shape, capacity, self.cfg.emb_dim), dtype)
+            block.att.init_cache((*batch_shape, capacity, self.cfg.emb_dim), dtype, rolling=rolling)
 
     def cache_lengths(self) -> Array:
         """Int ``[batch...]``: tokens already in the KV cache of each row."""

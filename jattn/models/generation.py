@@ -56,8 +56,23 @@ class NNXForwardFn:
         return nnx.merge(self.graphdef, state)(tokens, deterministic=True)
 
 
-def _check_room(model: LanguageModel, prompt_len: int, max_new_tokens) -> int:
-    """Positions the run needs (prompt + new tokens - 1); a ValueError past the context."""
+def _check_window(model: LanguageModel, window, use_cache: bool) -> None:
+    """``window``: None or an int in ``[1, context_length]``, with the KV cache only."""
+    if window is None:
+        return
+    context = model.cfg.context_length
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= context:
+        raise ValueError(
+            f"window must be None or an int in [1, {context}] (cfg['context_length']): the "
+            f"tokens each new token sees before itself; got {window!r}."
+        )
+    if not use_cache:
+        raise ValueError("window= decodes through rolling KV caches; it needs use_cache=True.")
+
+
+def _check_room(model: LanguageModel, prompt_len: int, max_new_tokens, window=None) -> int:
+    """Positions the run needs (prompt + new tokens - 1); a ValueError past the context
+    (unless a rolling cache of ``window`` positions serves a model without a position limit)."""
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
@@ -67,13 +82,19 @@ def _check_room(model: LanguageModel, prompt_len: int, max_new_tokens) -> int:
     # The last new token is sampled but never fed back, so it takes no position.
     needed = prompt_len + max_new_tokens - 1
     context = model.cfg.context_length
+    if window is not None and not model.positions_limited:
+        return needed
     if needed > context:
         raise ValueError(
             f"a prompt of {prompt_len} tokens and max_new_tokens={max_new_tokens} need "
-            f"{needed} positions, more than cfg['context_length'] = {context}. A KV cache "
-            "cannot slide past the context (the book's generate_text_simple crops the prompt "
-            f"instead): pass at most the last {max(context - max_new_tokens + 1, 1)} prompt "
-            "tokens, or ask for fewer new tokens."
+            f"{needed} positions, more than cfg['context_length'] = {context}. The book's "
+            "generate_text_simple crops the prompt instead: pass at most the last "
+            f"{max(context - max_new_tokens + 1, 1)} prompt tokens, or ask for fewer new "
+            "tokens" + (
+                "; GPT-2's position embedding ends at the context, so window= cannot extend it."
+                if model.positions_limited
+                else ", or pass window= (a rolling KV cache, sliding-window attention)."
+            )
         )
     return needed
 
@@ -88,6 +109,7 @@ def generate(
     *,
     prompt_lengths=None,
     use_cache: bool = True,
+    window: int | None = None,
 ) -> Array:
     """Generates ``max_new_tokens`` tokens after each prompt, with the KV cache.
 
@@ -105,6 +127,12 @@ def generate(
         ``fold_in(key, i)``).
       prompt_lengths: int ``[batch]``, real tokens of each row; default ``prompt_len``.
       use_cache: False reruns the whole sequence for every token (for comparison).
+      window: decode through rolling KV caches of ``window`` positions
+        (:class:`jattn.kvcache.RollingKVCache`): every token attends to itself and the
+        ``window`` tokens before it (sliding-window attention, also over the prompt), and
+        Llama 3 / Qwen3 may then generate past ``context_length`` (RoPE has no position
+        limit; the prompt itself must still fit). Equal to the plain cache while prompt +
+        new tokens stay within ``window + 1``.
 
     Returns:
       int32 ``[batch, max_new_tokens]``: the continuation only (the book returns the prompt
@@ -126,7 +154,8 @@ def generate(
             f"token_ids must have shape [batch, prompt_len] (the book's idx), got "
             f"{token_ids.shape}; add a batch axis with token_ids[None]."
         )
-    capacity = _check_room(model, token_ids.shape[1], max_new_tokens)
+    _check_window(model, window, use_cache)
+    capacity = _check_room(model, token_ids.shape[1], max_new_tokens, window)
     sampling = dict(max_new_tokens=max_new_tokens, key=key, temperature=temperature, top_k=top_k)
     graphdef, state = nnx.split(model)
     if not use_cache:
@@ -135,7 +164,10 @@ def generate(
         )
     # A copy of the model (sharing its arrays) gets a fresh cache sized to the run.
     decoder = nnx.merge(graphdef, state)
-    decoder.init_cache(token_ids.shape[0], capacity)
+    if window is None:
+        decoder.init_cache(token_ids.shape[0], capacity)
+    else:
+        decoder.init_cache(token_ids.shape[0], window, rolling=True)
     graphdef, cache, state = nnx.split(decoder, nnx.Cache, ...)
     return jgen.generate(
         NNXDecodeFn(graphdef), state, cache, token_ids.astype(jnp.int32), prompt_lengths, **sampling

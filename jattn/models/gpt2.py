@@ -92,6 +92,8 @@ class GPTModel(LanguageModel):
     Call ``model(token_ids)`` with int ``[batch..., T]`` for logits ``[batch..., T, vocab]``.
     """
 
+    positions_limited = True  # pos_emb has context_length rows
+
     def __init__(
         self,
         cfg: Mapping | GPTConfig,

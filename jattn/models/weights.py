@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jattn import convert
 from jattn.models.base import LanguageModel
 from jattn.models.configs import config_from_book
 from jattn.models.gpt2 import GPTModel
@@ -164,30 +165,6 @@ def _check_keys_and_shapes(arch: str, cfg, state_dict: Mapping, expected: dict) 
 # ----------------------------------------------------------------------------------------
 
 
-def _to_numpy(value, name: str) -> np.ndarray:
-    """A checked float array from a torch tensor (without importing torch) or an array-like.
-
-    bfloat16 tensors, which numpy cannot hold, are read through ``.float()`` (exact).
-    """
-    if hasattr(value, "detach"):
-        value = value.detach().cpu()
-        if str(getattr(value, "dtype", "")) == "torch.bfloat16":
-            value = value.float()
-        value = value.numpy()
-    try:
-        array = np.asarray(value)
-    except Exception as e:
-        raise TypeError(f"{name} cannot be converted to a numpy array ({e}).") from None
-    if not jnp.issubdtype(array.dtype, jnp.floating):  # also accepts ml_dtypes' bfloat16
-        raise TypeError(f"{name} must hold floats, got dtype {array.dtype}.")
-    if not np.all(np.isfinite(array if array.dtype.itemsize >= 4 else array.astype(np.float32))):
-        raise ValueError(
-            f"{name} holds NaN or Inf values: the checkpoint is corrupt or was saved from a "
-            "diverged run."
-        )
-    return array
-
-
 def _nested(flat: dict[tuple, jax.Array]) -> dict:
     out: dict = {}
     for path, value in flat.items():
@@ -246,7 +223,7 @@ def from_book(
     dtypes = {path: var.dtype for path, var in nnx.to_flat_state(params)}
     loaded = {}
     for book_key, (path, _, transposed) in expected.items():
-        array = _to_numpy(state_dict[book_key], f"state_dict[{book_key!r}]")
+        array = convert.to_numpy(state_dict[book_key], book_key)
         loaded[path] = jnp.asarray(array.T if transposed else array, dtypes[path])
     nnx.replace_by_pure_dict(params, _nested(loaded))
     # The rest (dropout streams) for real; jit drops the random parameter init unused here.
