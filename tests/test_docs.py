@@ -134,6 +134,18 @@ def test_blocks_found():
     assert len(CASES) >= 30
 
 
+OPTIONAL_IMPORT = re.compile(r"^\s*(?:import|from)\s+(torch|llms_from_scratch|tiktoken)\b", re.M)
+
+
+def test_blocks_importing_references_declare_them():
+    """A block importing an optional reference says so, or the plain CI leg fails on it."""
+    for case in CASES:
+        path, line, source, markers = case.values
+        needed = set(OPTIONAL_IMPORT.findall(source))
+        missing = needed - set(markers.get("requires", ()))
+        assert not missing, f"{path}:{line} imports {sorted(missing)}: add <!-- docs-test: requires ... -->"
+
+
 def test_fences_closed():
     """Every opened fence closes (an unclosed one would swallow the rest of a page)."""
     for path in markdown_files():
