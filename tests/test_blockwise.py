@@ -411,4 +411,7 @@ def test_benchmark_quick_mode_writes_a_table(tmp_path):
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
     text = out.read_text()
     assert "| T |" in text and "jattn blockwise ms" in text
-    assert (tmp_path / "results.png").exists()
+    # the CPU, the sgemm rate of the same rounds, and the report as this CPU kind's block
+    assert "sgemm GFLOP/s" in text and "blockwise / sgemm" in text
+    assert text.startswith("<!-- cpu: ") and "<!-- end cpu: " in text
+    assert list(tmp_path.glob("results-*.png"))
