@@ -27,6 +27,16 @@ queries (``t >= num_new[b]``) attend nothing: zero output, as
 All shapes are fixed (the key axis is always ``capacity``), so a jitted decode step
 compiles once, whatever the lengths.
 
+**Modifiers.** :func:`attend` and :func:`update_and_attend` take FlexAttention's
+``score_mod`` and ``mask_mod`` (:mod:`jattn.mods`) and ``sinks``, as
+:func:`jattn.dot_product_attention`, with *absolute* positions: ``q_idx`` of query ``t``
+of row ``b`` is ``lengths[b] + t`` (before the append) and ``kv_idx`` the position of the
+token a key holds (a :class:`KVCache`'s slot ``j`` holds position ``j``; a rolling
+cache's slot holds the latest position congruent to it), so decoding a sequence with a
+modifier, token by token or in ragged chunks, equals one full-sequence call with it.
+``b`` and ``h`` are the flattened batch row and the query head. Arrays a modifier indexes
+by position (document segment ids) must cover every position decoded.
+
 **Capacity.** When the lengths can be read without a device-to-host copy (eager calls on
 CPU), a chunk that does not fit raises a ValueError before anything is written. Under
 ``jax.jit`` the lengths are traced and nothing can raise (and on GPU/TPU an eager check
