@@ -16,7 +16,7 @@ with ``jax.jit(jax.vmap(...))``.
 
 Writes ``01_two_ways_to_mask.png`` into ``--out`` (default: ``runs/examples/`` under the
 current folder, git-ignored). The picture committed as
-``docs/examples/01_two_ways_to_mask.png`` (shown in the README) is regenerated, from the
+``docs/examples/01_two_ways_to_mask.png`` (shown in the examples guide) is regenerated, from the
 repository root, by::
 
     python examples/01_two_ways_to_mask.py --out docs/examples

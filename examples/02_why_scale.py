@@ -20,7 +20,7 @@ scaled/unscaled and over random seeds:
 
 Writes ``02_why_scale.png`` into ``--out`` (default: ``runs/examples/`` under the current
 folder, git-ignored). The picture committed as ``docs/examples/02_why_scale.png`` (shown in
-the README) is regenerated, from the repository root, by::
+the examples guide) is regenerated, from the repository root, by::
 
     python examples/02_why_scale.py --out docs/examples
 """

@@ -21,7 +21,7 @@ ratios are what to read, not the absolute times).
 
 Writes ``03_heads_are_vmap.png`` into ``--out`` (default: ``runs/examples/`` under the
 current folder, git-ignored). The picture committed as
-``docs/examples/03_heads_are_vmap.png`` (shown in the README) is regenerated, from the
+``docs/examples/03_heads_are_vmap.png`` (shown in the examples guide) is regenerated, from the
 repository root, by::
 
     python examples/03_heads_are_vmap.py --out docs/examples

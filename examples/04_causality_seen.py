@@ -17,7 +17,7 @@ so it sees through the weights, unlike a plot of the attention weights).
 
 Writes ``04_causality_seen.png`` into ``--out`` (default: ``runs/examples/`` under the
 current folder, git-ignored). The picture committed as
-``docs/examples/04_causality_seen.png`` (shown in the README) is regenerated, from the
+``docs/examples/04_causality_seen.png`` (shown in the examples guide) is regenerated, from the
 repository root, by::
 
     python examples/04_causality_seen.py --out docs/examples

@@ -17,7 +17,7 @@ from a fixed seed, causal attention, ``rate = 0.5`` as in the chapter.
 
 Writes ``05_dropout_expectation.png`` into ``--out`` (default: ``runs/examples/`` under the
 current folder, git-ignored). The picture committed as
-``docs/examples/05_dropout_expectation.png`` (shown in the README) is regenerated, from the
+``docs/examples/05_dropout_expectation.png`` (shown in the examples guide) is regenerated, from the
 repository root, by::
 
     python examples/05_dropout_expectation.py --out docs/examples

@@ -15,7 +15,7 @@ one process, so compare the two numbers as a ratio.
 
 Writes ``06_compile_once.png`` into ``--out`` (default: ``runs/examples/`` under the current
 folder, git-ignored). The picture committed as ``docs/examples/06_compile_once.png`` (shown
-in the README) is regenerated, from the repository root, by::
+in the examples guide) is regenerated, from the repository root, by::
 
     python examples/06_compile_once.py --out docs/examples
 """

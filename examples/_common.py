@@ -5,7 +5,7 @@ folder on ``sys.path`` when it runs one, so they import this module as ``_common
 
 Each writes its picture to ``--out``, by default ``runs/examples/`` under the current
 folder (``runs/`` is git-ignored), so a run never overwrites the pictures committed under
-``docs/examples/`` (shown in the README). To regenerate those, from the repository root::
+``docs/examples/`` (shown in the examples guide). To regenerate those, from the repository root::
 
     for f in examples/0*.py; do python "$f" --out docs/examples; done
 """

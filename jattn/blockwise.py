@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jattn import _prng
+from jattn import _tiles as _tiles_lib
 from jattn import masks as masks_lib
 from jattn._call import Operands, Settings
 
@@ -48,18 +50,23 @@ __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention"]
 
 Array = jax.Array
 
-# Tile sizes measured on a 2-core CPU (benchmarks/results.md): tiles of 64-256 run within
-# ~15% of each other at T >= 1024 and 512 is slower; a short sequence gets smaller tiles
-# so that a causal mask still skips some of them.
+# Tile sizes: jattn._tiles.default_tiles (a rule per kind of CPU, measured); these are the
+# AVX2 rule's, kept as the public defaults that ring attention and the docs name.
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
-_SHORT_LEN = 512  # sequences up to this long use _SHORT_BLOCK
-_SHORT_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything static about one call (hashable: it keys the custom VJP's trace)."""
+    """Everything static about one call (hashable: it keys the custom VJP's trace).
+
+    ``block_q`` x ``block_k`` are the forward pass's tiles, ``bwd_block_q`` x
+    ``bwd_block_k`` the backward pass's; ``padded_q`` / ``padded_kv`` (the lengths the
+    operands are padded to) are multiples of both. ``diag`` is the sub-tile of the causal
+    fast path's diagonal block. ``num_heads`` / ``kv_heads`` count this computation's
+    heads, which start at key/value head ``head_offset`` of the call's ``all_heads`` query
+    heads (one computation per group of heads: see :func:`attention`).
+    """
 
     q_len: int  # real (unpadded) lengths
     kv_len: int
@@ -75,14 +82,29 @@ class Config:
     kv_heads: int
     batch_size: int  # product of the batch dims
     precision: Any
+    padded_q: int = 0  # 0: a multiple of block_q (set by __post_init__)
+    padded_kv: int = 0
+    bwd_block_q: int = 0  # 0: block_q
+    bwd_block_k: int = 0
+    diag: int = 64
+    head_offset: int = 0
+    all_heads: int = 0  # 0: num_heads
 
-    @property
-    def padded_q(self) -> int:
-        return -(-self.q_len // self.block_q) * self.block_q
+    def __post_init__(self):
+        fill = {
+            "padded_q": _round_up(self.q_len, self.block_q),
+            "padded_kv": _round_up(self.kv_len, self.block_k),
+            "bwd_block_q": self.block_q,
+            "bwd_block_k": self.block_k,
+            "all_heads": self.num_heads,
+        }
+        for name, value in fill.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
 
-    @property
-    def padded_kv(self) -> int:
-        return -(-self.kv_len // self.block_k) * self.block_k
+    def backward_tiles(self) -> Config:
+        """This configuration with the backward pass's tiles as its tiles."""
+        return dataclasses.replace(self, block_q=self.bwd_block_q, block_k=self.bwd_block_k)
 
 
 class Aux(NamedTuple):
@@ -119,10 +141,17 @@ def tile_length(length: int, requested: int) -> int:
     return min(requested, _round_up(length, 8))
 
 
-def _default_tile(length: int, requested: int | None, default: int) -> int:
-    if requested is None:
-        requested = _SHORT_BLOCK if length <= _SHORT_LEN else default
-    return tile_length(length, requested)
+def _tiles(q_len: int, kv_len: int, block_q: int | None, block_k: int | None) -> _tiles_lib.Tiles:
+    """The rule's tiles (:func:`jattn._tiles.default_tiles`); a tile the caller names is
+    used by both passes, the other axis keeps the rule's."""
+    rule = _tiles_lib.default_tiles(q_len, kv_len, jax.default_backend())
+    if block_q is None and block_k is None:
+        return rule
+    fwd_q, bwd_q = (rule.fwd_q, rule.bwd_q) if block_q is None else (block_q, block_q)
+    fwd_k, bwd_k = (rule.fwd_k, rule.bwd_k) if block_k is None else (block_k, block_k)
+    return _tiles_lib.tiles_for(
+        q_len, kv_len, (fwd_q, fwd_k), (bwd_q, bwd_k), rule.diag, shrink=False
+    )
 
 
 def make_config(
@@ -141,7 +170,8 @@ def make_config(
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> Config:
-    """The :class:`Config` of one call: tiles from :func:`tile_length`, masks as a band."""
+    """The :class:`Config` of one call: tiles from the measured rule
+    (:func:`jattn._tiles.default_tiles`) unless named, masks as a band."""
     band_lo = band_hi = None
     if is_causal:
         band_hi = 0
@@ -150,11 +180,12 @@ def make_config(
         band_lo = -int(left)
         if right is not None:
             band_hi = int(right) if band_hi is None else min(band_hi, int(right))
+    tiles = _tiles(q_len, kv_len, block_q, block_k)
     return Config(
         q_len=q_len,
         kv_len=kv_len,
-        block_q=_default_tile(q_len, block_q, DEFAULT_BLOCK_Q),
-        block_k=_default_tile(kv_len, block_k, DEFAULT_BLOCK_K),
+        block_q=tiles.fwd_q,
+        block_k=tiles.fwd_k,
         scale=float(scale),
         band_lo=band_lo,
         band_hi=band_hi,
@@ -165,6 +196,11 @@ def make_config(
         kv_heads=kv_heads,
         batch_size=batch_size,
         precision=precision,
+        padded_q=tiles.padded_q,
+        padded_kv=tiles.padded_kv,
+        bwd_block_q=tiles.bwd_q,
+        bwd_block_k=tiles.bwd_k,
+        diag=tiles.diag,
     )
 
 
@@ -364,31 +400,64 @@ def _dropout_row_keys(cfg: Config, aux: Aux) -> tuple[Array, Array]:
     row = lax.broadcasted_iota(u32, (1, 1, 1, cfg.padded_q), 3)
     if cfg.dropout_rows_heads:
         # head h = k * G + g, as the dense path's reshape lays them out
-        head = lax.broadcasted_iota(u32, (1, k_heads, groups, 1), 1) * np.uint32(
-            groups
-        ) + lax.broadcasted_iota(u32, (1, k_heads, groups, 1), 2)
+        k_index = lax.broadcasted_iota(u32, (1, k_heads, groups, 1), 1) + np.uint32(cfg.head_offset)
+        head = k_index * np.uint32(groups) + lax.broadcasted_iota(u32, (1, k_heads, groups, 1), 2)
         row = row + head * np.uint32(cfg.q_len)
     if cfg.dropout_rows_batch:
-        heads = cfg.num_heads if cfg.dropout_rows_heads else 1
+        heads = cfg.all_heads if cfg.dropout_rows_heads else 1
         row = row + lax.broadcasted_iota(u32, (n, 1, 1, 1), 0) * np.uint32(
             (heads * cfg.q_len) % 2**32
         )
     return _prng.row_keys(aux.dropout_words, row)
 
 
-def _tile_keep(cfg: Config, aux: Aux, keys, i, j, key_major: bool = False) -> Array:
-    """Dropout keep decisions of tile ``(i, j)``, ``[N|1, K|1, G|1, bq, bk]``.
+class _Dropout(NamedTuple):
+    row_keys: tuple[Array, Array]  # _dropout_row_keys
+    threshold: Array
+    scale: Array  # 1 / keep probability
 
-    ``keys`` are :func:`_dropout_row_keys`. With ``key_major`` the tile is laid out
-    ``[N|1, K|1, bk, G|1, bq]`` (the backward pass's tiles), built in that layout.
-    """
-    bq, bk = cfg.block_q, cfg.block_k
-    # [N|1, K|1, G|1, bq, 1] row keys and [1, 1, 1, 1, bk] key positions
-    tile_keys = [lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)[..., None] for x in keys]
-    col = (j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, bk), 4)).astype(jnp.uint32)
-    if key_major:
-        tile_keys, col = [_to_key_major(x) for x in tile_keys], _to_key_major(col)
-    return _prng.keep_from_counters(tuple(tile_keys), aux.dropout_threshold, col)
+    def keep(self, row0, rows: int, col0, cols: int, key_major: bool = False) -> Array:
+        """Keep decisions of queries ``[row0, row0 + rows)`` x keys ``[col0, col0 + cols)``:
+        ``[N|1, K|1, G|1, rows, cols]`` (``key_major``: ``[N|1, K|1, cols, G|1, rows]``)."""
+        keys = [lax.dynamic_slice_in_dim(x, row0, rows, axis=3)[..., None] for x in self.row_keys]
+        col = (col0 + lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, cols), 4)).astype(jnp.uint32)
+        if key_major:
+            keys, col = [_to_key_major(x) for x in keys], _to_key_major(col)
+        return _prng.keep_from_counters(tuple(keys), self.threshold, col)
+
+
+def _dropout(cfg: Config, aux: Aux) -> _Dropout | None:
+    if not cfg.dropout:
+        return None
+    return _Dropout(_dropout_row_keys(cfg, aux), aux.dropout_threshold, 1.0 / aux.keep_prob)
+
+
+def _to_key_major(x: Array | None) -> Array | None:
+    """``[.., G, bq, bk]``-broadcastable (rank <= 5) -> ``[.., bk, G, bq]``-broadcastable."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (5 - x.ndim) + x.shape)
+    return jnp.transpose(x, (0, 1, 4, 2, 3))
+
+
+def _diag(cfg: Config, block: int) -> int:
+    """The causal fast path's diagonal sub-tile for tiles of ``block``."""
+    return min(cfg.diag, block)
+
+
+def _causal_fast(cfg: Config, aux: Aux, block_rows: int, block_cols: int) -> bool:
+    """Plain causal self-attention (no other mask, equal lengths), with tiles that nest:
+    the causal fast paths below apply. (Padded keys sit after every real query, so the
+    causal mask alone hides them.)"""
+    return (
+        cfg.band_hi == 0
+        and cfg.band_lo is None
+        and cfg.q_len == cfg.kv_len
+        and cfg.padded_q == cfg.padded_kv
+        and block_rows % block_cols == 0
+        and block_cols % _diag(cfg, block_cols) == 0
+        and all(x is None for x in (aux.q_lengths, aux.kv_lengths, aux.q_segments, aux.mask))
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -400,54 +469,91 @@ def _softmax_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _scaled(cfg: Config, q: Array) -> Array:
+    """``q * scale`` in q's dtype: the scale is paid once, not on every logit tile."""
+    f32 = _softmax_dtype(q.dtype)
+    return (q.astype(f32) * jnp.asarray(cfg.scale, f32)).astype(q.dtype)
+
+
+def _softmax_step(cfg: Config, carry, q_rows, kt_c, v_c, visible=None, keep=None, drop=None):
+    """One key tile of the online softmax: queries ``q_rows [N, K, G, r, D]`` (scaled) against
+    keys ``kt_c [N, K, D, c]`` (transposed) and values ``v_c [N, K, c, Dv]``; ``carry`` is
+    the running max, sum and output accumulator of the ``r`` rows."""
+    m, row_sum, acc = carry
+    f32 = m.dtype
+    s = jnp.einsum(
+        "nkgqd,nkdc->nkgqc", q_rows, kt_c, precision=cfg.precision, preferred_element_type=f32
+    )
+    if visible is not None:
+        s = jnp.where(visible, s, masks_lib.large_negative(f32))
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)  # exactly zero, even in fully masked rows
+    alpha = jnp.exp(m - m_new)
+    row_sum = alpha * row_sum + p.sum(axis=-1)
+    if keep is not None:
+        p = jnp.where(keep, p * drop.scale, 0.0)
+    # [N, K, G, r, c] x [N, K, c, Dv] -> [N, K, G, r, Dv]
+    pv = jnp.einsum(
+        "nkgqc,nkcd->nkgqd",
+        p.astype(v_c.dtype),
+        v_c,
+        precision=cfg.precision,
+        preferred_element_type=f32,
+    )
+    return m_new, row_sum, alpha[..., None] * acc + pv
+
+
+def _softmax_init(q_rows: Array, dv: int):
+    n, k_heads, groups, rows, _ = q_rows.shape
+    f32 = _softmax_dtype(q_rows.dtype)
+    return (
+        jnp.full((n, k_heads, groups, rows), masks_lib.large_negative(f32), f32),
+        jnp.zeros((n, k_heads, groups, rows), f32),
+        jnp.zeros((n, k_heads, groups, rows, dv), f32),
+    )
+
+
+def _softmax_finish(carry, dtype):
+    """``(out, lse)`` of finished rows; a row that saw no key gets zero output and a large
+    finite negative lse (an empty sum), which the backward pass only meets in masked tiles,
+    where its probabilities are zeroed."""
+    m, row_sum, acc = carry
+    has_key = row_sum > 0
+    safe_sum = jnp.where(has_key, row_sum, 1.0)
+    out = acc / safe_sum[..., None]  # acc == 0 in a row that saw no key
+    lse = jnp.where(has_key, m + jnp.log(safe_sum), masks_lib.large_negative(m.dtype))
+    return out.astype(dtype), lse
+
+
+def _from_blocks(x: Array, axis: int) -> Array:
+    """Per-block results stacked by ``lax.scan``, ``[nb, ...]`` with each block's tile axis
+    at ``axis`` (of ``...``), joined along it: ``[..., nb * b, ...]``."""
+    x = jnp.moveaxis(x, 0, axis)  # [..., nb, b, ...]
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+
 def forward(cfg: Config, q, k, v, aux: Aux):
     """``(out, lse)`` of one call: ``q [N, K, G, Tq_pad, D]``, ``k, v [N, K, Tk_pad, D]`` in,
     out ``[N, K, G, Tq_pad, Dv]`` in q's dtype and lse ``[N, K, G, Tq_pad]`` (large negative
     for rows that see no key) out."""
-    n, k_heads, groups, _, _ = q.shape
-    dv = v.shape[-1]
+    q, kt = _scaled(cfg, q), jnp.swapaxes(k, -1, -2)  # [N, K, D, Tk]: plain tile products
+    if _causal_fast(cfg, aux, cfg.block_q, cfg.block_k):
+        return _forward_causal(cfg, q, kt, v, aux)
     bq, bk = cfg.block_q, cfg.block_k
-    f32 = _softmax_dtype(q.dtype)
-    neg = masks_lib.large_negative(f32)
     schedule = _schedule(cfg, aux)
-    keep_scale = None if not cfg.dropout else 1.0 / aux.keep_prob
-    drop_keys = _dropout_row_keys(cfg, aux) if cfg.dropout else None
+    drop = _dropout(cfg, aux)
 
     def q_block(_, i):
-        # [N, K, G, bq, D]
-        q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+        q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)  # [N, K, G, bq, D]
 
         def update(j, carry, masked: bool):
-            m, row_sum, acc = carry
-            # [N, K, bk, D]
-            k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+            kt_j = lax.dynamic_slice_in_dim(kt, j * bk, bk, axis=3)
             v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-            # [N, K, G, bq, D] x [N, K, bk, D] -> [N, K, G, bq, bk]
-            s = jnp.einsum(
-                "nkgqd,nkcd->nkgqc", q_i, k_j, precision=cfg.precision, preferred_element_type=f32
-            )
-            s = s * jnp.asarray(cfg.scale, f32)
             visible = _tile_mask(cfg, aux, i, j) if masked else None
-            if visible is not None:
-                s = jnp.where(visible, s, neg)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            if visible is not None:
-                p = jnp.where(visible, p, 0.0)  # exactly zero, even in fully masked rows
-            alpha = jnp.exp(m - m_new)
-            row_sum = alpha * row_sum + p.sum(axis=-1)
-            if cfg.dropout:
-                keep = _tile_keep(cfg, aux, drop_keys, i, j)
-                p = jnp.where(keep, p * keep_scale, 0.0)
-            # [N, K, G, bq, bk] x [N, K, bk, Dv] -> [N, K, G, bq, Dv]
-            pv = jnp.einsum(
-                "nkgqc,nkcd->nkgqd",
-                p.astype(v.dtype),
-                v_j,
-                precision=cfg.precision,
-                preferred_element_type=f32,
-            )
-            return m_new, row_sum, alpha[..., None] * acc + pv
+            keep = None if drop is None else drop.keep(i * bq, bq, j * bk, bk)
+            return _softmax_step(cfg, carry, q_i, kt_j, v_j, visible, keep, drop)
 
         def tile(j, carry, masked: bool, skip=None):
             if skip is None:
@@ -455,154 +561,232 @@ def forward(cfg: Config, q, k, v, aux: Aux):
             # Only the running statistics pass through the branch (small: no [T, D] buffer).
             return lax.cond(skip, lambda c: c, functools.partial(update, j, masked=masked), carry)
 
-        init = (
-            jnp.full((n, k_heads, groups, bq), neg, f32),
-            jnp.zeros((n, k_heads, groups, bq), f32),
-            jnp.zeros((n, k_heads, groups, bq, dv), f32),
-        )
-        m, row_sum, acc = schedule.visit(i, tile, init)
-        has_key = row_sum > 0
-        # A row that sees no key (row_sum == 0) has acc == 0: its output is exactly zero.
-        safe_sum = jnp.where(has_key, row_sum, 1.0)
-        out = acc / safe_sum[..., None]
-        # A row that sees no key gets a large finite negative (an empty sum); the backward
-        # pass only meets such rows in masked tiles, where their probabilities are zeroed.
-        lse = jnp.where(has_key, m + jnp.log(safe_sum), neg)
-        return None, (out.astype(q.dtype), lse)
+        carry = schedule.visit(i, tile, _softmax_init(q_i, v.shape[-1]))
+        return None, _softmax_finish(carry, q.dtype)
 
     _, (out, lse) = lax.scan(q_block, None, jnp.arange(cfg.padded_q // bq))
-    # [nq, N, K, G, bq, Dv] -> [N, K, G, Tq_pad, Dv]
-    out = jnp.moveaxis(out, 0, 3).reshape(n, k_heads, groups, cfg.padded_q, dv)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(n, k_heads, groups, cfg.padded_q)
-    return out, lse
+    return _from_blocks(out, 3), _from_blocks(lse, 3)
+
+
+def _forward_causal(cfg: Config, q, kt, v, aux: Aux):
+    """The causal forward pass, exact: each query block attends to the key tiles left of
+    its diagonal block unmasked, then to the diagonal block as ``block_q / diag`` static
+    sub-tiles, each trimmed to the rows that see it (rows ``[c*d, bq)`` x keys
+    ``[c*d, (c+1)*d)``): the masked waste is one ``d``-triangle per sub-tile instead of
+    half a ``bq x bq`` block."""
+    bq, bk = cfg.block_q, cfg.block_k
+    bd = _diag(cfg, bk)
+    drop = _dropout(cfg, aux)
+    tri = lax.broadcasted_iota(jnp.int32, (bq, bd), 1) <= lax.broadcasted_iota(
+        jnp.int32, (bq, bd), 0
+    )  # [row, key] of a diagonal sub-tile, both counted from its first key: key <= row
+
+    def q_block(_, i):
+        q0 = i * bq
+        q_i = lax.dynamic_slice_in_dim(q, q0, bq, axis=3)
+
+        def full_tile(j, carry):
+            kt_j = lax.dynamic_slice_in_dim(kt, j * bk, bk, axis=3)
+            v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+            keep = None if drop is None else drop.keep(q0, bq, j * bk, bk)
+            return _softmax_step(cfg, carry, q_i, kt_j, v_j, keep=keep, drop=drop)
+
+        carry = lax.fori_loop(0, i * (bq // bk), full_tile, _softmax_init(q_i, v.shape[-1]))
+        for c in range(bq // bd):
+            lo = c * bd  # rows [lo, bq) of the block see keys [q0 + lo, q0 + lo + bd)
+            kt_c = lax.dynamic_slice_in_dim(kt, q0 + lo, bd, axis=3)
+            v_c = lax.dynamic_slice_in_dim(v, q0 + lo, bd, axis=2)
+            keep = None if drop is None else drop.keep(q0 + lo, bq - lo, q0 + lo, bd)
+            rows = tuple(x[..., lo:] if x.ndim == 4 else x[..., lo:, :] for x in carry)
+            rows = _softmax_step(cfg, rows, q_i[..., lo:, :], kt_c, v_c, tri[: bq - lo], keep, drop)
+            carry = tuple(
+                jnp.concatenate([x[..., :lo], r], -1)
+                if x.ndim == 4
+                else jnp.concatenate([x[..., :lo, :], r], -2)
+                for x, r in zip(carry, rows, strict=True)
+            )
+        return None, _softmax_finish(carry, q.dtype)
+
+    _, (out, lse) = lax.scan(q_block, None, jnp.arange(cfg.padded_q // bq))
+    return _from_blocks(out, 3), _from_blocks(lse, 3)
 
 
 # ----------------------------------------------------------------------------------------
 # Backward (FlashAttention-2): outer loop over key blocks, inner over the query blocks
-# that see them; dk, dv accumulate in the carry, dq in a full-length buffer. Tiles are
-# computed transposed, [bk, G * bq], so that dK and dV are plain matrix products and
-# only dQ needs a transposed operand.
+# that see them; dK, dV accumulate in the carry, dQ in a full-length buffer. Tiles are
+# key-major, [bk, G, bq], and every product is a plain (row-major) one: q and dO are
+# also kept transposed, and dQ is accumulated transposed (dQ^T += K^T dS^T), so XLA
+# makes no transposed copy of a tile (it would for dS otherwise, on every tile).
 # ----------------------------------------------------------------------------------------
 
 
-def _to_key_major(x: Array | None) -> Array | None:
-    """``[.., G, bq, bk]``-broadcastable (rank <= 5) -> ``[.., bk, G, bq]``-broadcastable."""
-    if x is None:
-        return None
-    x = x.reshape((1,) * (5 - x.ndim) + x.shape)
-    return jnp.transpose(x, (0, 1, 4, 2, 3))
+class _Rows(NamedTuple):
+    """The query side of the backward pass, full length (sliced per tile by :meth:`cols`)."""
+
+    qt: Array  # [N, K, D, G, Tq_pad]: scaled q, transposed
+    dot: Array  # [N, K, Dv, G, Tq_pad]: dO, transposed
+    q: Array  # [N, K, G, Tq_pad, D]: scaled q
+    d_out: Array  # [N, K, G, Tq_pad, Dv]
+    lse: Array  # [N, K, 1, G, Tq_pad]
+    delta: Array  # [N, K, 1, G, Tq_pad]
+
+    def cols(self, start, width: int) -> _Rows:
+        axes = (4, 4, 3, 3, 4, 4)
+        return _Rows(
+            *(
+                lax.dynamic_slice_in_dim(x, start, width, axis=a)
+                for x, a in zip(self, axes, strict=True)
+            )
+        )
 
 
-def _tile_grads(cfg: Config, aux: Aux, operands, i, j, masked: bool):
-    """Tile ``(i, j)``'s contributions ``(dq_i, dk_j, dv_j)`` to the gradients.
-
-    ``operands``: ``(q, k_j, v_j, d_out, lse, delta, drop_keys)`` with ``k_j, v_j`` the
-    key block ``j`` ``[N, K, bk, D]``.
-    """
-    q, k_j, v_j, d_out, lse, delta, drop_keys = operands
-    bq = cfg.block_q
+def _rows(cfg: Config, q, out, lse, d_out, d_lse) -> _Rows:
     f32 = _softmax_dtype(q.dtype)
-    scale = jnp.asarray(cfg.scale, f32)
-    mm_dtype = q.dtype  # tile products run in the input dtype, accumulated in f32
-    # [N, K, G, bq, D] and [N, K, 1, G, bq]
-    q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
-    do_i = lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
-    lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[:, :, None]
-    delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)[:, :, None]
-    # [N, K, bk, D] x [N, K, G, bq, D] -> [N, K, bk, G, bq]
-    s = jnp.einsum(
-        "nkcd,nkgqd->nkcgq", k_j, q_i, precision=cfg.precision, preferred_element_type=f32
+    # rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term; a cotangent of
+    # lse = log sum_j exp(s_ij) adds P_ij * d_lse_i to dS_ij.
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(f32)
+    q = _scaled(cfg, q)
+    return _Rows(
+        qt=jnp.moveaxis(q, -1, 2),
+        dot=jnp.moveaxis(d_out, -1, 2),
+        q=q,
+        d_out=d_out,
+        lse=lse[:, :, None],
+        delta=delta[:, :, None],
     )
-    p = jnp.exp(s * scale - lse_i)
-    if masked:
-        visible = _to_key_major(_tile_mask(cfg, aux, i, j))
-        if visible is not None:
-            p = jnp.where(visible, p, 0.0)
-    # dP~ = (dO V^T)^T : [N, K, bk, Dv] x [N, K, G, bq, Dv] -> [N, K, bk, G, bq]
-    dp = jnp.einsum(
-        "nkcd,nkgqd->nkcgq", v_j, do_i, precision=cfg.precision, preferred_element_type=f32
-    )
+
+
+def _tile_grads(cfg: Config, kv, rows: _Rows, visible=None, keep=None, drop=None):
+    """One key-major tile's ``(dQ^T, dK, dV)`` contributions: ``kv = (k, v, k^T)`` of ``c``
+    keys (``[N, K, c, D]``, ``[N, K, c, Dv]``, ``[N, K, D, c]``), ``rows`` of ``r`` queries."""
+    k_c, v_c, kt_c = kv
+    f32 = rows.lse.dtype
+    mm = rows.q.dtype  # tile products run in the input dtype, accumulated in f32
+
+    def dot(spec, a, b):
+        return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=f32)
+
+    s = dot("nkcd,nkdgq->nkcgq", k_c, rows.qt)  # [N, K, c, G, r]
+    dp = dot("nkcd,nkdgq->nkcgq", v_c, rows.dot)
+    p = jnp.exp(s - rows.lse)
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
     p_used = p
-    if cfg.dropout:
-        keep = _tile_keep(cfg, aux, drop_keys, i, j, key_major=True)
-        keep_scale = 1.0 / aux.keep_prob
-        p_used = jnp.where(keep, p * keep_scale, 0.0)
-        dp = jnp.where(keep, dp * keep_scale, 0.0)
-    # dV = P~^T dO : [N, K, bk, G, bq] x [N, K, G, bq, Dv] -> [N, K, bk, Dv]
-    dv_j = jnp.einsum(
-        "nkcgq,nkgqd->nkcd",
-        p_used.astype(mm_dtype),
-        do_i,
-        precision=cfg.precision,
-        preferred_element_type=f32,
+    if keep is not None:
+        p_used = jnp.where(keep, p * drop.scale, 0.0)
+        dp = jnp.where(keep, dp * drop.scale, 0.0)
+    dv = dot("nkcgq,nkgqd->nkcd", p_used.astype(mm), rows.d_out)
+    ds = (p * (dp - rows.delta)).astype(mm)
+    dk = dot("nkcgq,nkgqd->nkcd", ds, rows.q)
+    dqt = dot("nkdc,nkcgq->nkdgq", kt_c, ds)  # dQ^T = K^T dS^T
+    return dqt, dk, dv
+
+
+def _add_cols(dqt: Array, start, x: Array) -> Array:
+    width = x.shape[-1]
+    return lax.dynamic_update_slice_in_dim(
+        dqt, lax.dynamic_slice_in_dim(dqt, start, width, axis=4) + x, start, axis=4
     )
-    ds = (p * (dp - delta_i)).astype(mm_dtype)
-    # dK = dS^T Q : [N, K, bk, G, bq] x [N, K, G, bq, D] -> [N, K, bk, D]
-    dk_j = jnp.einsum(
-        "nkcgq,nkgqd->nkcd", ds, q_i, precision=cfg.precision, preferred_element_type=f32
-    )
-    # dQ = dS K : [N, K, bk, G, bq] x [N, K, bk, D] -> [N, K, G, bq, D]
-    dq_i = jnp.einsum(
-        "nkcgq,nkcd->nkgqd", ds, k_j, precision=cfg.precision, preferred_element_type=f32
-    )
-    return dq_i, dk_j, dv_j
+
+
+def _key_block(x: Array, start, width: int, axis: int = 2) -> Array:
+    return lax.dynamic_slice_in_dim(x, start, width, axis=axis)
 
 
 def backward(cfg: Config, q, k, v, aux: Aux, out, lse, d_out, d_lse=None):
     """``(dq, dk, dv)`` of one call, given the forward's ``out`` and ``lse`` and the
-    cotangents ``d_out [N, K, G, Tq_pad, Dv]`` and ``d_lse [N, K, G, Tq_pad]`` (or None)."""
-    n, k_heads, groups, _, d = q.shape
-    bq, bk = cfg.block_q, cfg.block_k
-    f32 = _softmax_dtype(q.dtype)
-    schedule = _schedule(cfg, aux).transposed()
-    drop_keys = _dropout_row_keys(cfg, aux) if cfg.dropout else None
-    scale = jnp.asarray(cfg.scale, f32)
-    # [N, K, G, Tq_pad]: rowsum(dO * O) = sum_j P_ij dP_ij, the softmax backward's row term;
-    # a cotangent of lse = log sum_j exp(s_ij) adds P_ij * d_lse_i to dS_ij.
-    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
-    if d_lse is not None:
-        delta = delta - d_lse.astype(f32)
+    cotangents ``d_out [N, K, G, Tq_pad, Dv]`` and ``d_lse [N, K, G, Tq_pad]`` (or None).
+    The pass runs on ``cfg``'s backward tiles."""
+    cfg = cfg.backward_tiles()
+    rows = _rows(cfg, q, out, lse, d_out, d_lse)
+    kt = jnp.swapaxes(k, -1, -2)
+    if _causal_fast(cfg, aux, cfg.block_k, cfg.block_q):
+        dqt, dk, dv = _backward_causal(cfg, k, v, kt, aux, rows)
+    else:
+        dqt, dk, dv = _backward_general(cfg, k, v, kt, aux, rows)
+    dq = jnp.moveaxis(dqt, 2, -1) * jnp.asarray(cfg.scale, dqt.dtype)
+    # dk needs no scale: the tiles' q was scaled already.
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    def k_block(dq, j):
-        # [N, K, bk, D]
-        k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
-        v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-        operands = (q, k_j, v_j, d_out, lse, delta, drop_keys)
+
+def _backward_general(cfg: Config, k, v, kt, aux: Aux, rows: _Rows):
+    """Every mask, by the schedule: ``(dQ^T, dK, dV)`` in float32."""
+    n, k_heads, d, groups, _ = rows.qt.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    f32 = rows.lse.dtype
+    schedule = _schedule(cfg, aux).transposed()
+    drop = _dropout(cfg, aux)
+
+    def k_block(dqt, j):
+        kv = (_key_block(k, j * bk, bk), _key_block(v, j * bk, bk), _key_block(kt, j * bk, bk, 3))
+
+        def grads(i, masked: bool):
+            visible = _to_key_major(_tile_mask(cfg, aux, i, j)) if masked else None
+            keep = None if drop is None else drop.keep(i * bq, bq, j * bk, bk, key_major=True)
+            return _tile_grads(cfg, kv, rows.cols(i * bq, bq), visible, keep, drop)
 
         def tile(i, carry, masked: bool, skip=None):
-            dq, dk, dv = carry
+            dqt, dk, dv = carry
             if skip is None:
-                dq_i, dk_j, dv_j = _tile_grads(cfg, aux, operands, i, j, masked)
+                g = grads(i, masked)
             else:
-                # The branch returns only this tile's small contributions; dq (a [T, D]
+                # The branch returns only this tile's small contributions; dQ^T (a [T, D]
                 # buffer) is updated outside it, so it stays in place.
-                dq_i, dk_j, dv_j = lax.cond(
-                    skip,
-                    lambda: (
-                        jnp.zeros((n, k_heads, groups, bq, d), f32),
-                        jnp.zeros(dk.shape, f32),
-                        jnp.zeros(dv.shape, f32),
-                    ),
-                    lambda: _tile_grads(cfg, aux, operands, i, j, masked),
+                zeros = (
+                    jnp.zeros((n, k_heads, d, groups, bq), f32),
+                    jnp.zeros(dk.shape, f32),
+                    jnp.zeros(dv.shape, f32),
                 )
-            dq = lax.dynamic_update_slice_in_dim(
-                dq, lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i, i * bq, axis=3
+                g = lax.cond(skip, lambda: zeros, lambda: grads(i, masked))
+            return _add_cols(dqt, i * bq, g[0]), dk + g[1], dv + g[2]
+
+        init = (dqt, jnp.zeros((n, k_heads, bk, d), f32), jnp.zeros(kv[1].shape, f32))
+        dqt, dk, dv = schedule.visit(j, tile, init)
+        return dqt, (dk, dv)
+
+    dqt, (dk, dv) = lax.scan(k_block, jnp.zeros(rows.qt.shape, f32), jnp.arange(cfg.padded_kv // bk))
+    return dqt, _from_blocks(dk, 2), _from_blocks(dv, 2)
+
+
+def _backward_causal(cfg: Config, k, v, kt, aux: Aux, rows: _Rows):
+    """The causal backward pass, exact: key block ``j`` meets the query blocks below its
+    diagonal square unmasked, and the square as ``block_k / diag`` static sub-tiles (keys
+    ``[0, (c+1)*d)`` x queries ``[c*d, (c+1)*d)`` of the square)."""
+    n, k_heads, d, _, t = rows.qt.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    bd = _diag(cfg, bq)
+    f32 = rows.lse.dtype
+    drop = _dropout(cfg, aux)
+
+    def k_block(dqt, j):
+        k0 = j * bk
+        k_j, v_j, kt_j = _key_block(k, k0, bk), _key_block(v, k0, bk), _key_block(kt, k0, bk, 3)
+        dk = jnp.zeros((n, k_heads, bk, d), f32)
+        dv = jnp.zeros(v_j.shape, f32)
+        for c in range(bk // bd):
+            r = (c + 1) * bd  # keys [k0, k0 + r) are seen by queries [k0 + c*bd, k0 + r)
+            seen = lax.broadcasted_iota(jnp.int32, (r, 1, bd), 0) <= (
+                c * bd + lax.broadcasted_iota(jnp.int32, (r, 1, bd), 2)
             )
-            return dq, dk + dk_j, dv + dv_j
+            keep = None if drop is None else drop.keep(k0 + c * bd, bd, k0, r, key_major=True)
+            kv = (k_j[:, :, :r], v_j[:, :, :r], kt_j[..., :r])
+            g = _tile_grads(cfg, kv, rows.cols(k0 + c * bd, bd), seen, keep, drop)
+            dqt = _add_cols(dqt, k0 + c * bd, g[0])
+            dk, dv = dk.at[:, :, :r].add(g[1]), dv.at[:, :, :r].add(g[2])
 
-        init = (
-            dq,
-            jnp.zeros((n, k_heads, bk, d), f32),
-            jnp.zeros((n, k_heads, bk, v.shape[-1]), f32),
-        )
-        dq, dk, dv = schedule.visit(j, tile, init)
-        return dq, ((dk * scale).astype(k.dtype), dv.astype(v.dtype))
+        def full_tile(i, carry):
+            dqt, dk, dv = carry
+            keep = None if drop is None else drop.keep(i * bq, bq, k0, bk, key_major=True)
+            g = _tile_grads(cfg, (k_j, v_j, kt_j), rows.cols(i * bq, bq), keep=keep, drop=drop)
+            return _add_cols(dqt, i * bq, g[0]), dk + g[1], dv + g[2]
 
-    dq, (dk, dv) = lax.scan(k_block, jnp.zeros(q.shape, f32), jnp.arange(cfg.padded_kv // bk))
-    # [nk, N, K, bk, D] -> [N, K, Tk_pad, D]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
-    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
-    return (dq * scale).astype(q.dtype), dk, dv
+        dqt, dk, dv = lax.fori_loop((j + 1) * (bk // bq), t // bq, full_tile, (dqt, dk, dv))
+        return dqt, (dk, dv)
+
+    dqt, (dk, dv) = lax.scan(k_block, jnp.zeros(rows.qt.shape, f32), jnp.arange(t // bk))
+    return dqt, _from_blocks(dk, 2), _from_blocks(dv, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -693,9 +877,10 @@ def blockwise_attention(
       dropout_shared: ``(over_batch, over_heads)``: whether one mask is shared across the
         batch dims / heads (``broadcast_dropout``).
       precision: ``jax.lax.Precision`` of the tile products.
-      block_q: query tile length (default :data:`DEFAULT_BLOCK_Q`, or 64 for sequences
-        of at most 512; capped at q_len rounded up to 8).
-      block_k: key tile length (the same rule with kv_len).
+      block_q: query tile length of both passes (default: the measured rule of
+        :func:`jattn._tiles.default_tiles`, per kind of CPU and length; capped at q_len
+        rounded up to 8).
+      block_k: key tile length (likewise).
 
     Returns:
       ``[batch..., q_len, H, Dv]`` in the inputs' dtype.
@@ -752,7 +937,7 @@ def attention(
     v = _pad_len(value.reshape(n, kv_len, k_heads, dv).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
     aux = _aux(cfg, ops, tuple(batch), query.dtype)
     try:
-        out, lse = _attention(cfg, q, k, v, aux)
+        out, lse = _by_head_groups(cfg, q, k, v, aux)
     except TypeError as e:
         if "forward-mode" not in str(e):
             raise
@@ -770,6 +955,43 @@ def attention(
     # [N, K, G, Tq_pad] -> [batch..., q_len, H]
     lse = lse[..., :q_len].transpose(0, 3, 1, 2).reshape(*batch, q_len, num_heads)
     return out, lse
+
+
+def head_groups(cfg: Config) -> int:
+    """How many independent computations :func:`attention` splits the heads into.
+
+    On a CPU, each tile product is too small to keep more than one core busy, but XLA
+    runs independent loops concurrently: splitting the key/value heads in two loops keeps
+    two cores busy (measured on 2 cores: benchmarks/results.md). One group elsewhere, and
+    when the heads do not split evenly.
+    """
+    if jax.default_backend() != "cpu" or _SPLIT_CORES < 2:
+        return 1
+    return math.gcd(cfg.kv_heads, min(_SPLIT_CORES, 2))
+
+
+_SPLIT_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _by_head_groups(cfg: Config, q, k, v, aux: Aux):
+    """:func:`_attention` over groups of key/value heads (:func:`head_groups`), joined."""
+    groups = head_groups(cfg)
+    if groups == 1:
+        return _attention(cfg, q, k, v, aux)
+    width = cfg.kv_heads // groups
+    outs, lses = [], []
+    for g in range(groups):
+        part = slice(g * width, (g + 1) * width)
+        sub = dataclasses.replace(
+            cfg, kv_heads=width, num_heads=cfg.num_heads // groups, head_offset=g * width
+        )
+        mask = aux.mask
+        if mask is not None and mask.shape[1] > 1:
+            mask = mask[:, part]
+        out, lse = _attention(sub, q[:, part], k[:, part], v[:, part], aux._replace(mask=mask))
+        outs.append(out)
+        lses.append(lse)
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
 def _pad_len(x, axis, size):

@@ -26,7 +26,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_report_header(config):
-    """The versions this run tests (README, "Versions tested"), at the top of the log."""
+    """The versions this run tests (docs/versions.md, "Versions tested"), at the top of the log."""
     import sys
     from importlib import metadata
 

@@ -411,4 +411,59 @@ def test_benchmark_quick_mode_writes_a_table(tmp_path):
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
     text = out.read_text()
     assert "| T |" in text and "jattn blockwise ms" in text
-    assert (tmp_path / "results.png").exists()
+    # the CPU, the sgemm rate of the same rounds, and the report as this CPU kind's block
+    assert "sgemm GFLOP/s" in text and "blockwise / sgemm" in text
+    assert text.startswith("<!-- cpu: ") and "<!-- end cpu: " in text
+    assert list(tmp_path.glob("results-*.png"))
+
+
+@pytest.mark.parametrize("kind", ["avx512", "other"])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_causal_fast_path_equals_dense_under_each_tile_rule(kind, dropout, monkeypatch):
+    """Plain causal self-attention takes the causal fast path (diagonal sub-tiles) under
+    both CPU rules; outputs, log-sum-exp and gradients (through both) equal the dense path,
+    and dropout drops the dense path's weights."""
+    monkeypatch.setenv("JATTN_CPU_KIND", kind)
+    q, k, v = _qkv((1,), 1000, 1000, 4, 2, 8)
+    cfg = blockwise.make_config(
+        q_len=1000, kv_len=1000, num_heads=4, kv_heads=2, batch_size=1, scale=1.0, is_causal=True
+    )
+    assert blockwise._causal_fast(cfg, blockwise.Aux(), cfg.block_q, cfg.block_k)
+    back = cfg.backward_tiles()
+    assert blockwise._causal_fast(back, blockwise.Aux(), back.block_k, back.block_q)
+    kw = dict(is_causal=True, return_residual=True)
+    if dropout:
+        kw.update(dropout_rate=0.25, dropout_rng=jax.random.key(3))
+
+    def loss(impl):
+        def fn(q, k, v):
+            out, lse = jattn.dot_product_attention(q, k, v, implementation=impl, **kw)
+            return jnp.sum(out * jnp.cos(out)) + 0.1 * jnp.sum(jnp.sin(lse)), (out, lse)
+
+        return jax.jit(jax.grad(fn, argnums=(0, 1, 2), has_aux=True))
+
+    grads_b, (out_b, lse_b) = loss("blockwise")(q, k, v)
+    grads_d, (out_d, lse_d) = loss("dense")(q, k, v)
+    np.testing.assert_allclose(out_b, out_d, rtol=OUT_TOL, atol=OUT_TOL)
+    np.testing.assert_allclose(lse_b, lse_d, rtol=OUT_TOL, atol=OUT_TOL)
+    for name, gb, gd in zip("qkv", grads_b, grads_d, strict=True):
+        np.testing.assert_allclose(gb, gd, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kind", ["avx512", "other"])
+@pytest.mark.parametrize("length", [1, 7, 100, 300, 512, 513, 600, 1000, 1030, 2048, 5000])
+def test_tile_rule_tiles_divide_and_pad_little(kind, length, monkeypatch):
+    monkeypatch.setenv("JATTN_CPU_KIND", kind)
+    assert jattn._tiles.cpu_kind() == kind
+    tiles = jattn._tiles.default_tiles(length, length)
+    for padded, fwd, bwd in (
+        (tiles.padded_q, tiles.fwd_q, tiles.bwd_q),
+        (tiles.padded_kv, tiles.fwd_k, tiles.bwd_k),
+    ):
+        assert padded >= length and padded % fwd == 0 and padded % bwd == 0
+        assert max(fwd, bwd) <= -(-length // 8) * 8  # a short sequence is one tile
+        # Large tiles never pad more than 1/8 of the work (128-token tiles may, as before).
+        assert padded - length <= max(length // 8, 127)
+    if kind == "other":  # the AVX2 rule of benchmarks/results.md, unchanged
+        expected = min(64 if length <= 512 else 128, -(-length // 8) * 8)
+        assert tiles.fwd_q == tiles.bwd_q == tiles.fwd_k == tiles.bwd_k == expected
