@@ -613,3 +613,25 @@ def test_modules_decode_with_their_options_as_their_full_forward(case):
         np.testing.assert_allclose(y[0, 0], full[0, 5 + i], atol=2e-6)
         np.testing.assert_allclose(y[1, 0], full[1, 3 + i], atol=2e-6)
         np.testing.assert_allclose(model(step, decode=True), y, atol=2e-6)
+
+
+def test_a_long_prefill_with_modifiers_runs_blockwise_and_equals_the_full_call():
+    # 300 queries over a capacity of 320: the automatic rule runs the decoding call on the
+    # blockwise path, with the cache's position-shifted modifiers hoisted into its tiles.
+    r = np.random.default_rng(12)
+    t, cap = 300, 320
+    q = jnp.asarray(r.normal(size=(N, t, H, DH)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(N, t, KVH, DH)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(N, t, KVH, DH)), jnp.float32)
+    ids = np.stack([np.arange(cap) // 70, np.arange(cap) // 110]).astype(np.int32)
+    alibi, sinks = mods.alibi(jnp.asarray(SLOPES)), jnp.asarray(SINKS)
+    cache = kvcache.init_cache(N, cap, KVH, DH)
+    kwargs = dict(score_mod=alibi, mask_mod=mods.document(jnp.asarray(ids)), sinks=sinks)
+    auto, _ = kvcache.update_and_attend(cache, q, k, v, **kwargs)
+    blockwise, _ = kvcache.update_and_attend(cache, q, k, v, implementation="blockwise", **kwargs)
+    np.testing.assert_array_equal(auto, blockwise)
+    full = dpa(
+        q, k, v, is_causal=True, score_mod=alibi, sinks=sinks,
+        mask_mod=mods.document(jnp.asarray(ids[:, :t])), implementation="dense",
+    )  # fmt: skip
+    np.testing.assert_allclose(blockwise, full, atol=2e-5)
