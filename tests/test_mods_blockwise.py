@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from reference import np_flex_attention
 
 import jattn
@@ -354,3 +356,88 @@ def test_the_automatic_rule_runs_long_modified_calls_blockwise(kwargs):
     auto = dpa(q, q, q, **kwargs)
     np.testing.assert_array_equal(auto, dpa(q, q, q, implementation="blockwise", **kwargs))
     np.testing.assert_allclose(auto, dpa(q, q, q, implementation="dense", **kwargs), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Property test: small tiles (8 x 8), random shapes and modifiers, against numpy
+# ----------------------------------------------------------------------------------------
+
+
+@given(
+    batch=st.sampled_from([(), (2,), (2, 1)]),
+    t=st.integers(1, 30),
+    s=st.integers(1, 30),
+    kv_heads=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2]),
+    score=st.sampled_from([None, "softcap", "alibi", "alibi+softcap"]),
+    mask=st.sampled_from([None, "causal", "window", "document", "causal&document"]),
+    with_sinks=st.booleans(),
+    bias=st.sampled_from([None, "per key", "full"]),
+    seed=st.integers(0, 2**16),
+)
+def test_small_tiles_match_numpy(batch, t, s, kv_heads, groups, score, mask, with_sinks, bias,
+                                 seed):  # fmt: skip
+    r = np.random.default_rng(seed)
+    n, h = math.prod(batch), kv_heads * groups
+    q = r.normal(size=(*batch, t, h, D)).astype(np.float32)
+    k = r.normal(size=(*batch, s, kv_heads, D)).astype(np.float32)
+    v = r.normal(size=(*batch, s, kv_heads, D)).astype(np.float32)
+    slopes = r.uniform(0.05, 0.5, h).astype(np.float32)
+    sinks = r.normal(size=h).astype(np.float32) if with_sinks else None
+    q_ids = np.sort(r.integers(0, 3, (n, t)), axis=1).astype(np.int32)
+    kv_ids = np.sort(r.integers(0, 3, (n, s)), axis=1).astype(np.int32)
+    bias_arr = {
+        None: None,
+        "per key": r.normal(size=(h, 1, s)).astype(np.float32),
+        "full": r.normal(size=(*batch, h, t, s)).astype(np.float32),
+    }[bias]
+    jax_score = {
+        None: None,
+        "softcap": mods.softcap(1.0),
+        "alibi": mods.alibi(jnp.asarray(slopes)),
+        "alibi+softcap": mods.compose(mods.alibi(jnp.asarray(slopes)), mods.softcap(1.0)),
+    }[score]
+    doc = mods.document(
+        jnp.asarray(q_ids).reshape(*batch, t), jnp.asarray(kv_ids).reshape(*batch, s)
+    )
+    jax_mask = {
+        None: None, "causal": mods.causal(), "window": mods.sliding_window(3, 2),
+        "document": doc, "causal&document": mods.causal() & doc,
+    }[mask]  # fmt: skip
+    out, lse = blockwise.attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+        Operands(scale=1.0 / math.sqrt(D), bias=None if bias_arr is None else jnp.asarray(bias_arr),
+                 sinks=None if sinks is None else jnp.asarray(sinks)),
+        Settings(score_mod=jax_score, mask_mod=jax_mask, return_residual=True),
+        block_q=8, block_k=8,
+    )  # fmt: skip
+
+    full_bias = 0.0
+    if bias_arr is not None:
+        lead = (1,) * (len(batch) + 3 - bias_arr.ndim)
+        full_bias = np.broadcast_to(bias_arr.reshape(lead + bias_arr.shape), (*batch, h, t, s))
+        full_bias = full_bias.reshape(n, h, t, s)
+
+    def np_score(x, b, hh, qi, ki):
+        if score in ("alibi", "alibi+softcap"):
+            x = x + slopes[hh] * (ki - qi)
+        if score in ("softcap", "alibi+softcap"):
+            x = np.tanh(x)
+        return x + full_bias
+
+    qi, ki = np.arange(t)[:, None], np.arange(s)[None, :]
+    np_doc = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+    np_mask = {
+        None: None, "causal": (qi >= ki)[None, None],
+        "window": ((ki >= qi - 3) & (ki <= qi + 2))[None, None],
+        "document": np_doc, "causal&document": (qi >= ki)[None, None] & np_doc,
+    }[mask]  # fmt: skip
+    want, _, want_lse = np_flex_attention(
+        q.reshape(n, t, h, D), k.reshape(n, s, kv_heads, D), v.reshape(n, s, kv_heads, D),
+        score=np_score, mask=np_mask, sinks=sinks,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out).reshape(want.shape), want, atol=2e-5, rtol=1e-5)
+    lse = np.swapaxes(np.asarray(lse).reshape(n, t, h), 1, 2)
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], atol=2e-5, rtol=1e-5)
+    assert np.all(lse[~seen] == jattn.large_negative(jnp.float32))
