@@ -510,8 +510,9 @@ def mask_mod(fn, logits_shape: tuple[int, ...]) -> None:
         _elementwise_shape(out, "mask_mod", shape)
 
 
-def modifier_sizes(fn, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> None:
-    """Lets a ready-made modifier (:mod:`jattn.mods`) check its arrays against the call."""
+def modifier_sizes(fn, batch_size: int, num_heads: int, q_len, kv_len) -> None:
+    """Lets a ready-made modifier (:mod:`jattn.mods`) check its arrays against the call
+    (``q_len``/``kv_len`` None: lengths unknown, absolute positions)."""
     check = getattr(fn, "check_shapes", None)
     if fn is not None and check is not None:
         check(batch_size=batch_size, num_heads=num_heads, q_len=q_len, kv_len=kv_len)

@@ -7,13 +7,14 @@ does not depend on the Flax API lives here once, so the two APIs cannot drift ap
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, functional, kvcache
+from jattn import _checks, functional, kvcache, mods
 from jattn import rope as rope_lib
 
 Array = jax.Array
@@ -124,6 +125,12 @@ class ModuleConfig:
       kernel_init: initializer of every kernel.
       bias_init: initializer of every bias.
       model_axis: mesh axis the heads are split over (tensor parallelism), or None.
+      softcap: soft-cap the scaled logits, ``cap * tanh(score / cap)`` (Gemma 2), or None.
+      score_mod: a ``score_mod(score, b, h, q_idx, kv_idx)`` (:mod:`jattn.mods`), or None;
+        with ``softcap`` the cap applies after it (:meth:`score_modifier`).
+      mask_mod: a ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ANDed with the other masks.
+      sinks: the module has a learnable ``sinks`` parameter ``[num_heads]`` (attention-sink
+        logits, gpt-oss), passed to every call.
     """
 
     cls_name: str
@@ -137,9 +144,14 @@ class ModuleConfig:
     kernel_init: Any = None
     bias_init: Any = None
     model_axis: str | None = None
+    softcap: float | None = None
+    score_mod: Any = None
+    mask_mod: Any = None
+    sinks: bool = False
 
     def __post_init__(self):
         name = self.cls_name
+        _check_modifier_options(self)
         object.__setattr__(self, "dropout", check_dropout(self.dropout, name))
         _checks.flag(self.is_causal, f"{name}: is_causal")
         _checks.broadcast_dropout(self.broadcast_dropout)
@@ -149,6 +161,19 @@ class ModuleConfig:
                 f"model_axis must be the name of a mesh axis (a str) or None, got "
                 f"{self.model_axis!r}."
             )
+
+    def score_modifier(self):
+        """The calls' ``score_mod``: ``score_mod``, then soft-capping (None: neither).
+
+        The cap comes last, as Gemma 2 caps the logits after everything else is added, so
+        capped logits stay within ``(-cap, cap)`` whatever ``score_mod`` adds. A bare
+        ``softcap`` stays a :func:`jattn.mods.softcap` (kernels with native soft-capping
+        take it).
+        """
+        cap = None if self.softcap is None else mods.softcap(self.softcap)
+        if cap is None or self.score_mod is None:
+            return cap if self.score_mod is None else self.score_mod
+        return mods.compose(self.score_mod, cap)
 
     def head_options(self) -> dict:
         """The keyword options of a single-head class built from this configuration (the
@@ -163,6 +188,30 @@ class ModuleConfig:
             "kernel_init": self.kernel_init,
             "bias_init": self.bias_init,
         }
+
+
+def _check_modifier_options(config: ModuleConfig) -> None:
+    """Validates ``softcap``, ``score_mod``, ``mask_mod`` and ``sinks`` of a module config.
+
+    The modifiers' signatures and outputs are checked at each call (by
+    :func:`jattn.dot_product_attention`, which knows the shapes).
+    """
+    name, cap = config.cls_name, config.softcap
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
+            raise TypeError(f"{name}: softcap must be a float > 0 or None, got {cap!r}.")
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(
+                f"{name}: softcap must be > 0 and finite (Gemma 2 uses 50.0), got {cap}."
+            )
+    for option in ("score_mod", "mask_mod"):
+        fn = getattr(config, option)
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name}: {option} must be a function (see jattn.mods) or None, got "
+                f"{type(fn).__name__}."
+            )
+    _checks.flag(config.sinks, f"{name}: sinks")
 
 
 def _check_eps(value, cls_name: str) -> float:
@@ -521,6 +570,7 @@ def attend(
     sow_into: Any = None,
     cache: kvcache.KVCache | kvcache.RollingKVCache | None = None,
     num_new=None,
+    sinks: Array | None = None,
 ):
     """Projected features in, attended features out: the modules' one call into the core.
 
@@ -544,6 +594,11 @@ def attend(
         the queries attend over everything it holds, so ``mask`` and the weights have
         ``capacity`` keys (a rolling cache: ``capacity + T``).
       num_new: decode mode: int ``[batch...]``, real tokens of each row of the chunk.
+      sinks: the module's ``sinks`` parameter ``[num_heads]`` (with ``config.sinks``).
+
+    The call's ``score_mod`` (:meth:`ModuleConfig.score_modifier`) and ``mask_mod`` come
+    from ``config``; in decode mode their ``q_idx``/``kv_idx`` are absolute positions
+    (:mod:`jattn.kvcache`), so decoding equals the full-sequence call.
 
     Returns:
       Context ``[batch..., T, num_heads * head_dim]`` (and the weights if asked); in
@@ -571,6 +626,9 @@ def attend(
         module=sow_into,
         return_weights=return_weights,
         implementation=config.attention_implementation,
+        score_mod=config.score_modifier(),
+        mask_mod=config.mask_mod,
+        sinks=sinks,
     )
     if cache is None and num_new is not None:
         raise ValueError(

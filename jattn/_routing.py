@@ -92,13 +92,8 @@ def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: Dens
     needed = extras.needed()
     if needed is not None:
         return needed
-    if ops.bias is not None:
-        return "a bias array is added densely (it is [q_len, kv_len] already)"
     if not isinstance(ops.scale, numbers.Real):
         return f"scale must be a Python number for it, got {type(ops.scale).__name__}"
-    modifiers = _modifiers_given(ops, settings)
-    if modifiers:
-        return f"it does not take {modifiers} yet (the dense path does)"
     return None
 
 

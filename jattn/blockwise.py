@@ -20,6 +20,18 @@ Dropout is applied inside the tiles with bits that depend only on the key and th
 element's global (batch, head, query, key) position (:mod:`jattn._prng`), so the
 mask is the dense path's mask, whatever the block sizes.
 
+Score and mask modifiers (:mod:`jattn.mods`), sinks and a bias run inside the tiles
+(:mod:`jattn._tile_mods`): ``score_mod`` on each tile's scaled logits with the tile's
+absolute (b, h, q_idx, kv_idx), recomputed and differentiated in the backward pass (the
+arrays it closes over are hoisted into operands of the custom VJP and get gradients); a
+bias sliced per tile, its gradient accumulated in its own broadcast shape; sinks as the
+starting point of each row's running max and sum; ``mask_mod`` as one more elementwise
+mask, its tile states (from a :class:`jattn.BlockMask`, or evaluated once per call)
+deciding which tiles are skipped, masked or computed without a mask. A ready-made
+:func:`jattn.mods.causal` becomes the causal band itself (the same schedule and fast
+path as ``is_causal=True``). The causal fast path serves calls without score_mod,
+mask_mod or bias (sinks included).
+
 This module holds the algorithm only; :func:`jattn.functional.dot_product_attention`
 validates arguments, picks the implementation and calls :func:`blockwise_attention`.
 """
@@ -38,6 +50,7 @@ import numpy as np
 from jax import lax
 
 from jattn import _prng
+from jattn import _tile_mods as tm
 from jattn import _tiles as _tiles_lib
 from jattn import masks as masks_lib
 from jattn._call import Operands, Settings
@@ -89,6 +102,7 @@ class Config:
     diag: int = 64
     head_offset: int = 0
     all_heads: int = 0  # 0: num_heads
+    mods: tm.ModSpec | None = None  # score_mod / mask_mod / bias / block states of the call
 
     def __post_init__(self):
         fill = {
@@ -119,6 +133,9 @@ class Aux(NamedTuple):
       dropout_words: uint32 ``[4]`` from the dropout key (:func:`jattn._prng.key_words`).
       dropout_threshold: uint32 keep threshold (:func:`jattn._prng.keep_threshold`).
       keep_prob: ``1 - rate`` in the softmax dtype.
+      mask_consts: the arrays the call's hoisted ``mask_mod`` reads (``cfg.mods.mask``).
+      tile_states: int8 ``[nq0, nk0]`` block-mask tile states at ``cfg.mods.states_block``
+        (:func:`jattn._tile_mods.block_states`), or None.
     """
 
     q_lengths: Array | None = None
@@ -129,6 +146,8 @@ class Aux(NamedTuple):
     dropout_words: Array | None = None
     dropout_threshold: Array | None = None
     keep_prob: Array | None = None
+    mask_consts: tuple | None = None
+    tile_states: Array | None = None
 
 
 def _round_up(x: int, m: int) -> int:
@@ -271,6 +290,11 @@ def _dynamic_flags(cfg: Config, aux: Aux) -> tuple[Array, Array] | None:
         # [Nm, nq|1, nk|1]: over heads and the tile's rows and keys
         needed.append(tiles.any(axis=(1, 2, 4, 6)))
         full.append(tiles.all(axis=(1, 2, 4, 6)))
+    if aux.tile_states is not None:
+        # [nq, nk] from the block mask's states, coarsened to these tiles
+        need, ful = tm.coarsen(aux.tile_states, cfg.mods.states_block, (bq, bk), nq, nk)
+        needed.append(need[None])
+        full.append(ful[None])
     if not needed:
         return None
     need, ful = needed[0], full[0]
@@ -290,7 +314,7 @@ def _schedule(cfg: Config, aux: Aux) -> _Schedule:
         full = jnp.asarray(full) & dynamic[1] & needed
     # Causal / window / length masks leave, in each row of tiles, one run of needed tiles
     # with one run of full tiles inside it; segment ids and mask arrays may not.
-    runs = aux.q_segments is None and aux.mask is None
+    runs = aux.q_segments is None and aux.mask is None and aux.tile_states is None
     never_masked = dynamic is None and bool(np.all(full == needed))
     return _Schedule(needed, full, runs, never_masked)
 
@@ -330,10 +354,11 @@ class _Schedule:
             )
             return lax.fori_loop(full_hi[row], hi[row], masked, carry)
         lo, _, _, hi = self.bounds()
-        needed = jnp.asarray(self.needed)
+        # 0: skip, 1: masked, 2: full (no elementwise mask)
+        state = jnp.where(self.needed, jnp.where(self.full, 2, 1), 0).astype(jnp.int32)
 
         def body(col, c):
-            return tile(col, c, masked=True, skip=jnp.logical_not(needed[row, col]))
+            return tile(col, c, masked=True, state=state[row, col])
 
         return lax.fori_loop(lo[row], hi[row], body, carry)
 
@@ -383,9 +408,68 @@ def _tile_mask(cfg: Config, aux: Aux, i, j) -> Array | None:
         if mask.shape[-1] > 1:
             mask = lax.dynamic_slice_in_dim(mask, j * bk, bk, axis=4)
         parts.append(mask)
+    if cfg.mods is not None and cfg.mods.mask is not None:
+        index = _tile_index(cfg, i * bq, bq, j * bk, bk, key_major=False)
+        parts.append(tm.mask_tile(cfg.mods, aux.mask_consts, index))  # [N|1, K|1, G|1, bq, bk]
     visible = masks_lib.combine_masks(*parts)
     # rank 5 explicitly (rank promotion 'raise'): [N|1, K|1, G|1, bq|1, bk|1]
     return None if visible is None else visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
+
+
+def _tile_index(cfg: Config, row0, rows: int, col0, cols: int, key_major: bool):
+    """``(b, h, q_idx, kv_idx)`` of a tile for the call's modifiers (see :mod:`jattn._tile_mods`)."""
+    return tm.tile_indices(
+        n=cfg.batch_size, k_heads=cfg.kv_heads, groups=cfg.num_heads // cfg.kv_heads,
+        head_offset=cfg.head_offset, q_len=cfg.q_len, kv_len=cfg.kv_len, row0=row0, rows=rows,
+        col0=col0, cols=cols, key_major=key_major,
+    )  # fmt: skip
+
+
+def _modifies_scores(cfg: Config, mops) -> bool:
+    return mops is not None and (
+        (cfg.mods is not None and cfg.mods.score is not None) or mops.bias is not None
+    )
+
+
+def _forward_score(cfg: Config, mops, row0, rows: int, col0, cols: int):
+    """``s -> score_mod(s) + bias`` for a query-major tile (None: the call has neither)."""
+    if not _modifies_scores(cfg, mops):
+        return None
+
+    def score(s):
+        if cfg.mods.score is not None:
+            index = _tile_index(cfg, row0, rows, col0, cols, key_major=False)
+            s = tm.score_tile(cfg.mods, mops.score_consts, s, index)
+        if mops.bias is not None:
+            s = s + tm.bias_tile(mops.bias, row0, rows, col0, cols, key_major=False)
+        return s
+
+    return score
+
+
+def _backward_score(cfg: Config, mops, row0, rows: int, col0, cols: int):
+    """``s -> (score_mod(s) + bias, vjp)`` for a key-major tile; ``vjp(ds)`` returns
+    ``(d_s, (d_float_consts, ds))`` (``ds`` for the bias gradient). None: no modifier."""
+    if not _modifies_scores(cfg, mops):
+        return None
+
+    def score(s):
+        vjp = None
+        if cfg.mods.score is not None:
+            index = _tile_index(cfg, row0, rows, col0, cols, key_major=True)
+            s, vjp = tm.score_tile_vjp(cfg.mods, mops.score_consts, s, index)
+        if mops.bias is not None:
+            s = s + tm.bias_tile(mops.bias, row0, rows, col0, cols, key_major=True)
+
+        def backward(ds):
+            if vjp is None:
+                return ds, ((), ds)
+            d_s, d_consts = vjp(ds)
+            return d_s, (tuple(d.astype(ds.dtype) for d in d_consts if d is not None), ds)
+
+        return s, backward
+
+    return score
 
 
 def _dropout_row_keys(cfg: Config, aux: Aux) -> tuple[Array, Array]:
@@ -457,6 +541,8 @@ def _causal_fast(cfg: Config, aux: Aux, block_rows: int, block_cols: int) -> boo
         and block_rows % block_cols == 0
         and block_cols % _diag(cfg, block_cols) == 0
         and all(x is None for x in (aux.q_lengths, aux.kv_lengths, aux.q_segments, aux.mask))
+        and aux.tile_states is None
+        and (cfg.mods is None or not cfg.mods.elementwise)
     )
 
 
@@ -475,15 +561,20 @@ def _scaled(cfg: Config, q: Array) -> Array:
     return (q.astype(f32) * jnp.asarray(cfg.scale, f32)).astype(q.dtype)
 
 
-def _softmax_step(cfg: Config, carry, q_rows, kt_c, v_c, visible=None, keep=None, drop=None):
+def _softmax_step(
+    cfg: Config, carry, q_rows, kt_c, v_c, visible=None, keep=None, drop=None, score=None
+):
     """One key tile of the online softmax: queries ``q_rows [N, K, G, r, D]`` (scaled) against
     keys ``kt_c [N, K, D, c]`` (transposed) and values ``v_c [N, K, c, Dv]``; ``carry`` is
-    the running max, sum and output accumulator of the ``r`` rows."""
+    the running max, sum and output accumulator of the ``r`` rows. ``score``: the call's
+    ``score_mod`` and bias on the tile (:func:`_forward_score`), or None."""
     m, row_sum, acc = carry
     f32 = m.dtype
     s = jnp.einsum(
         "nkgqd,nkdc->nkgqc", q_rows, kt_c, precision=cfg.precision, preferred_element_type=f32
     )
+    if score is not None:
+        s = score(s)
     if visible is not None:
         s = jnp.where(visible, s, masks_lib.large_negative(f32))
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -505,14 +596,19 @@ def _softmax_step(cfg: Config, carry, q_rows, kt_c, v_c, visible=None, keep=None
     return m_new, row_sum, alpha[..., None] * acc + pv
 
 
-def _softmax_init(q_rows: Array, dv: int):
+def _softmax_init(q_rows: Array, dv: int, sinks: Array | None = None):
+    """The running max, sum and accumulator before any key. With ``sinks [K, G]`` each row
+    starts from its head's sink logit (max = sink, sum = exp(0) = 1, no value): the sink
+    is one more logit of its softmax, and the finished lse includes it."""
     n, k_heads, groups, rows, _ = q_rows.shape
     f32 = _softmax_dtype(q_rows.dtype)
-    return (
-        jnp.full((n, k_heads, groups, rows), masks_lib.large_negative(f32), f32),
-        jnp.zeros((n, k_heads, groups, rows), f32),
-        jnp.zeros((n, k_heads, groups, rows, dv), f32),
-    )
+    shape = (n, k_heads, groups, rows)
+    if sinks is None:
+        m, row_sum = jnp.full(shape, masks_lib.large_negative(f32), f32), jnp.zeros(shape, f32)
+    else:
+        m = jnp.broadcast_to(sinks.astype(f32)[None, :, :, None], shape)
+        row_sum = jnp.ones(shape, f32)
+    return m, row_sum, jnp.zeros((*shape, dv), f32)
 
 
 def _softmax_finish(carry, dtype):
@@ -534,13 +630,15 @@ def _from_blocks(x: Array, axis: int) -> Array:
     return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
 
-def forward(cfg: Config, q, k, v, aux: Aux):
+def forward(cfg: Config, q, k, v, aux: Aux, mops: tm.ModOperands | None = None):
     """``(out, lse)`` of one call: ``q [N, K, G, Tq_pad, D]``, ``k, v [N, K, Tk_pad, D]`` in,
     out ``[N, K, G, Tq_pad, Dv]`` in q's dtype and lse ``[N, K, G, Tq_pad]`` (large negative
-    for rows that see no key) out."""
+    for rows that see no key) out. ``mops``: the differentiable operands of the call's
+    modifiers (score_mod's arrays, sinks, bias), or None."""
     q, kt = _scaled(cfg, q), jnp.swapaxes(k, -1, -2)  # [N, K, D, Tk]: plain tile products
+    sinks = None if mops is None else mops.sinks
     if _causal_fast(cfg, aux, cfg.block_q, cfg.block_k):
-        return _forward_causal(cfg, q, kt, v, aux)
+        return _forward_causal(cfg, q, kt, v, aux, sinks)
     bq, bk = cfg.block_q, cfg.block_k
     schedule = _schedule(cfg, aux)
     drop = _dropout(cfg, aux)
@@ -553,22 +651,28 @@ def forward(cfg: Config, q, k, v, aux: Aux):
             v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
             visible = _tile_mask(cfg, aux, i, j) if masked else None
             keep = None if drop is None else drop.keep(i * bq, bq, j * bk, bk)
-            return _softmax_step(cfg, carry, q_i, kt_j, v_j, visible, keep, drop)
+            score = _forward_score(cfg, mops, i * bq, bq, j * bk, bk)
+            return _softmax_step(cfg, carry, q_i, kt_j, v_j, visible, keep, drop, score)
 
-        def tile(j, carry, masked: bool, skip=None):
-            if skip is None:
+        def tile(j, carry, masked: bool, state=None):
+            if state is None:
                 return update(j, carry, masked)
-            # Only the running statistics pass through the branch (small: no [T, D] buffer).
-            return lax.cond(skip, lambda c: c, functools.partial(update, j, masked=masked), carry)
+            # Only the running statistics pass through the branches (small: no [T, D] buffer).
+            branches = [
+                lambda c: c,  # skipped
+                functools.partial(update, j, masked=True),
+                functools.partial(update, j, masked=False),  # every pair visible
+            ]
+            return lax.switch(state, branches, carry)
 
-        carry = schedule.visit(i, tile, _softmax_init(q_i, v.shape[-1]))
+        carry = schedule.visit(i, tile, _softmax_init(q_i, v.shape[-1], sinks))
         return None, _softmax_finish(carry, q.dtype)
 
     _, (out, lse) = lax.scan(q_block, None, jnp.arange(cfg.padded_q // bq))
     return _from_blocks(out, 3), _from_blocks(lse, 3)
 
 
-def _forward_causal(cfg: Config, q, kt, v, aux: Aux):
+def _forward_causal(cfg: Config, q, kt, v, aux: Aux, sinks=None):
     """The causal forward pass, exact: each query block attends to the key tiles left of
     its diagonal block unmasked, then to the diagonal block as ``block_q / diag`` static
     sub-tiles, each trimmed to the rows that see it (rows ``[c*d, bq)`` x keys
@@ -591,7 +695,8 @@ def _forward_causal(cfg: Config, q, kt, v, aux: Aux):
             keep = None if drop is None else drop.keep(q0, bq, j * bk, bk)
             return _softmax_step(cfg, carry, q_i, kt_j, v_j, keep=keep, drop=drop)
 
-        carry = lax.fori_loop(0, i * (bq // bk), full_tile, _softmax_init(q_i, v.shape[-1]))
+        init = _softmax_init(q_i, v.shape[-1], sinks)
+        carry = lax.fori_loop(0, i * (bq // bk), full_tile, init)
         for c in range(bq // bd):
             lo = c * bd  # rows [lo, bq) of the block see keys [q0 + lo, q0 + lo + bd)
             kt_c = lax.dynamic_slice_in_dim(kt, q0 + lo, bd, axis=3)
@@ -658,9 +763,11 @@ def _rows(cfg: Config, q, out, lse, d_out, d_lse) -> _Rows:
     )
 
 
-def _tile_grads(cfg: Config, kv, rows: _Rows, visible=None, keep=None, drop=None):
-    """One key-major tile's ``(dQ^T, dK, dV)`` contributions: ``kv = (k, v, k^T)`` of ``c``
-    keys (``[N, K, c, D]``, ``[N, K, c, Dv]``, ``[N, K, D, c]``), ``rows`` of ``r`` queries."""
+def _tile_grads(cfg: Config, kv, rows: _Rows, visible=None, keep=None, drop=None, score=None):
+    """One key-major tile's ``(dQ^T, dK, dV, extra)`` contributions: ``kv = (k, v, k^T)`` of
+    ``c`` keys (``[N, K, c, D]``, ``[N, K, c, Dv]``, ``[N, K, D, c]``), ``rows`` of ``r``
+    queries. ``score`` (:func:`_backward_score`) recomputes the call's modified scores and
+    gives ``extra = (d_float_consts, dS)`` for the modifiers' gradients (None without)."""
     k_c, v_c, kt_c = kv
     f32 = rows.lse.dtype
     mm = rows.q.dtype  # tile products run in the input dtype, accumulated in f32
@@ -669,6 +776,9 @@ def _tile_grads(cfg: Config, kv, rows: _Rows, visible=None, keep=None, drop=None
         return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=f32)
 
     s = dot("nkcd,nkdgq->nkcgq", k_c, rows.qt)  # [N, K, c, G, r]
+    score_vjp = extra = None
+    if score is not None:
+        s, score_vjp = score(s)
     dp = dot("nkcd,nkdgq->nkcgq", v_c, rows.dot)
     p = jnp.exp(s - rows.lse)
     if visible is not None:
@@ -678,10 +788,13 @@ def _tile_grads(cfg: Config, kv, rows: _Rows, visible=None, keep=None, drop=None
         p_used = jnp.where(keep, p * drop.scale, 0.0)
         dp = jnp.where(keep, dp * drop.scale, 0.0)
     dv = dot("nkcgq,nkgqd->nkcd", p_used.astype(mm), rows.d_out)
-    ds = (p * (dp - rows.delta)).astype(mm)
+    ds = p * (dp - rows.delta)
+    if score_vjp is not None:  # dS of the modified scores -> of the raw ones (and the mods')
+        ds, extra = score_vjp(ds)
+    ds = ds.astype(mm)
     dk = dot("nkcgq,nkgqd->nkcd", ds, rows.q)
     dqt = dot("nkdc,nkcgq->nkdgq", kt_c, ds)  # dQ^T = K^T dS^T
-    return dqt, dk, dv
+    return dqt, dk, dv, extra
 
 
 def _add_cols(dqt: Array, start, x: Array) -> Array:
@@ -695,59 +808,119 @@ def _key_block(x: Array, start, width: int, axis: int = 2) -> Array:
     return lax.dynamic_slice_in_dim(x, start, width, axis=axis)
 
 
-def backward(cfg: Config, q, k, v, aux: Aux, out, lse, d_out, d_lse=None):
+def backward(cfg: Config, q, k, v, aux: Aux, out, lse, d_out, d_lse=None, mops=None):
     """``(dq, dk, dv)`` of one call, given the forward's ``out`` and ``lse`` and the
     cotangents ``d_out [N, K, G, Tq_pad, Dv]`` and ``d_lse [N, K, G, Tq_pad]`` (or None).
-    The pass runs on ``cfg``'s backward tiles."""
+    The pass runs on ``cfg``'s backward tiles. With the modifiers' operands ``mops``
+    (:class:`jattn._tile_mods.ModOperands`), ``(dq, dk, dv, d_mops)``."""
     cfg = cfg.backward_tiles()
     rows = _rows(cfg, q, out, lse, d_out, d_lse)
     kt = jnp.swapaxes(k, -1, -2)
+    d_extra = None
     if _causal_fast(cfg, aux, cfg.block_k, cfg.block_q):
         dqt, dk, dv = _backward_causal(cfg, k, v, kt, aux, rows)
     else:
-        dqt, dk, dv = _backward_general(cfg, k, v, kt, aux, rows)
+        dqt, dk, dv, d_extra = _backward_general(cfg, k, v, kt, aux, rows, mops)
     dq = jnp.moveaxis(dqt, 2, -1) * jnp.asarray(cfg.scale, dqt.dtype)
     # dk needs no scale: the tiles' q was scaled already.
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if mops is None:
+        return grads
+    return (*grads, _mod_grads(cfg, mops, rows, d_extra))
 
 
-def _backward_general(cfg: Config, k, v, kt, aux: Aux, rows: _Rows):
-    """Every mask, by the schedule: ``(dQ^T, dK, dV)`` in float32."""
+def _mod_grads(cfg: Config, mops: tm.ModOperands, rows: _Rows, d_extra) -> tm.ModOperands:
+    """The cotangent of ``mops``: the score consts' (floats; None for the others), the
+    sinks' (from each row's sink probability) and the bias's."""
+    d_consts, d_bias = ((), None) if d_extra is None else d_extra
+    it = iter(d_consts)
+    floats = cfg.mods.score_float if cfg.mods is not None else ()
+    d_score = tuple(
+        next(it).astype(c.dtype) if f else None
+        for c, f in zip(mops.score_consts, floats, strict=True)
+    )
+    d_sinks = None
+    if mops.sinks is not None:
+        d_sinks = tm.sink_grad(mops.sinks, rows.lse[:, :, 0], rows.delta[:, :, 0])
+    if d_bias is not None:
+        d_bias = d_bias.astype(mops.bias.dtype)
+    return tm.ModOperands(d_score, d_sinks, d_bias)
+
+
+def _extra_zeros(cfg: Config, mops, f32):
+    """Zero accumulators of the modifiers' gradients: ``(d_float_consts, d_bias)`` or None."""
+    if not _modifies_scores(cfg, mops):
+        return None
+    floats = cfg.mods.score_float if cfg.mods.score is not None else ()
+    consts = tuple(
+        jnp.zeros(c.shape, f32) for c, f in zip(mops.score_consts, floats, strict=True) if f
+    )
+    return consts, None if mops.bias is None else jnp.zeros(mops.bias.shape, f32)
+
+
+def _add_extra(cfg: Config, acc, extra, i, j):
+    """``acc`` (:func:`_extra_zeros`) plus one tile's ``extra`` of :func:`_tile_grads`."""
+    if acc is None:
+        return None
+    d_consts, d_bias = acc
+    tile_consts, ds = extra
+    d_consts = tuple(a + t.astype(a.dtype) for a, t in zip(d_consts, tile_consts, strict=True))
+    if d_bias is not None:
+        d_bias = tm.bias_tile_grad(d_bias, ds, i * cfg.block_q, j * cfg.block_k, key_major=True)
+    return d_consts, d_bias
+
+
+def _backward_general(cfg: Config, k, v, kt, aux: Aux, rows: _Rows, mops=None):
+    """Every mask, by the schedule: ``(dQ^T, dK, dV)`` in float32, and the modifiers'
+    gradient accumulators (:func:`_extra_zeros`; None without modifiers)."""
     n, k_heads, d, groups, _ = rows.qt.shape
     bq, bk = cfg.block_q, cfg.block_k
     f32 = rows.lse.dtype
     schedule = _schedule(cfg, aux).transposed()
     drop = _dropout(cfg, aux)
 
-    def k_block(dqt, j):
+    def k_block(scan_carry, j):
+        dqt, d_extra = scan_carry
         kv = (_key_block(k, j * bk, bk), _key_block(v, j * bk, bk), _key_block(kt, j * bk, bk, 3))
 
         def grads(i, masked: bool):
             visible = _to_key_major(_tile_mask(cfg, aux, i, j)) if masked else None
             keep = None if drop is None else drop.keep(i * bq, bq, j * bk, bk, key_major=True)
-            return _tile_grads(cfg, kv, rows.cols(i * bq, bq), visible, keep, drop)
+            score = _backward_score(cfg, mops, i * bq, bq, j * bk, bk)
+            return _tile_grads(cfg, kv, rows.cols(i * bq, bq), visible, keep, drop, score)
 
-        def tile(i, carry, masked: bool, skip=None):
-            dqt, dk, dv = carry
-            if skip is None:
+        def tile(i, carry, masked: bool, state=None):
+            dqt, dk, dv, d_extra = carry
+            if state is None:
                 g = grads(i, masked)
             else:
-                # The branch returns only this tile's small contributions; dQ^T (a [T, D]
-                # buffer) is updated outside it, so it stays in place.
+                # The branches return only this tile's small contributions; dQ^T (a [T, D]
+                # buffer) is updated outside them, so it stays in place.
                 zeros = (
                     jnp.zeros((n, k_heads, d, groups, bq), f32),
                     jnp.zeros(dk.shape, f32),
                     jnp.zeros(dv.shape, f32),
+                    _tile_extra_zeros(cfg, mops, (n, k_heads, bk, groups, bq), f32),
                 )
-                g = lax.cond(skip, lambda: zeros, lambda: grads(i, masked))
-            return _add_cols(dqt, i * bq, g[0]), dk + g[1], dv + g[2]
+                g = lax.switch(
+                    state, [lambda: zeros, lambda: grads(i, True), lambda: grads(i, False)]
+                )
+            d_extra = _add_extra(cfg, d_extra, g[3], i, j)
+            return _add_cols(dqt, i * bq, g[0]), dk + g[1], dv + g[2], d_extra
 
-        init = (dqt, jnp.zeros((n, k_heads, bk, d), f32), jnp.zeros(kv[1].shape, f32))
-        dqt, dk, dv = schedule.visit(j, tile, init)
-        return dqt, (dk, dv)
+        init = (dqt, jnp.zeros((n, k_heads, bk, d), f32), jnp.zeros(kv[1].shape, f32), d_extra)
+        dqt, dk, dv, d_extra = schedule.visit(j, tile, init)
+        return (dqt, d_extra), (dk, dv)
 
-    dqt, (dk, dv) = lax.scan(k_block, jnp.zeros(rows.qt.shape, f32), jnp.arange(cfg.padded_kv // bk))
-    return dqt, _from_blocks(dk, 2), _from_blocks(dv, 2)
+    init = (jnp.zeros(rows.qt.shape, f32), _extra_zeros(cfg, mops, f32))
+    (dqt, d_extra), (dk, dv) = lax.scan(k_block, init, jnp.arange(cfg.padded_kv // bk))
+    return dqt, _from_blocks(dk, 2), _from_blocks(dv, 2), d_extra
+
+
+def _tile_extra_zeros(cfg: Config, mops, tile_shape, f32):
+    """A skipped tile's ``extra`` (zeros shaped as :func:`_tile_grads` returns them)."""
+    acc = _extra_zeros(cfg, mops, f32)
+    return None if acc is None else (acc[0], jnp.zeros(tile_shape, f32))
 
 
 def _backward_causal(cfg: Config, k, v, kt, aux: Aux, rows: _Rows):
@@ -765,7 +938,7 @@ def _backward_causal(cfg: Config, k, v, kt, aux: Aux, rows: _Rows):
         k_j, v_j, kt_j = _key_block(k, k0, bk), _key_block(v, k0, bk), _key_block(kt, k0, bk, 3)
         dk = jnp.zeros((n, k_heads, bk, d), f32)
         dv = jnp.zeros(v_j.shape, f32)
-        for c in range(bk // bd):
+        for c in range(bk // bd):  # (no modifier reaches this fast path: _causal_fast)
             r = (c + 1) * bd  # keys [k0, k0 + r) are seen by queries [k0 + c*bd, k0 + r)
             seen = lax.broadcasted_iota(jnp.int32, (r, 1, bd), 0) <= (
                 c * bd + lax.broadcasted_iota(jnp.int32, (r, 1, bd), 2)
@@ -790,20 +963,20 @@ def _backward_causal(cfg: Config, k, v, kt, aux: Aux, rows: _Rows):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: Config, q, k, v, aux: Aux):
-    return forward(cfg, q, k, v, aux)
+def _attention(cfg: Config, q, k, v, aux: Aux, mops: tm.ModOperands):
+    return forward(cfg, q, k, v, aux, mops)
 
 
-def _attention_fwd(cfg, q, k, v, aux):
-    out, lse = forward(cfg, q, k, v, aux)
-    return (out, lse), (q, k, v, aux, out, lse)
+def _attention_fwd(cfg, q, k, v, aux, mops):
+    out, lse = forward(cfg, q, k, v, aux, mops)
+    return (out, lse), (q, k, v, aux, mops, out, lse)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, aux, out, lse = residuals
+    q, k, v, aux, mops, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv = backward(cfg, q, k, v, aux, out, lse, d_out, d_lse)
-    return dq, dk, dv, jax.tree.map(lambda _: None, aux)
+    dq, dk, dv, d_mops = backward(cfg, q, k, v, aux, out, lse, d_out, d_lse, mops)
+    return dq, dk, dv, jax.tree.map(lambda _: None, aux), d_mops
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -911,33 +1084,11 @@ def attention(
       ``settings.return_residual`` the log-sum-exp ``[batch..., q_len, H]`` (float32+,
       :func:`jattn.large_negative` for rows that see no key, differentiable), else None.
     """
-    *batch, q_len, num_heads, d = query.shape
-    kv_len, k_heads, dv = value.shape[-3:]
-    n = math.prod(batch)
-    groups = num_heads // k_heads
-    cfg = make_config(
-        q_len=q_len,
-        kv_len=kv_len,
-        num_heads=num_heads,
-        kv_heads=k_heads,
-        batch_size=n,
-        scale=ops.scale,
-        is_causal=settings.is_causal,
-        window=settings.window,
-        dropout=ops.dropout_rng is not None,
-        dropout_shared=settings.dropout_shared,
-        precision=settings.precision,
-        block_q=block_q,
-        block_k=block_k,
-    )
-    # [batch..., T, H, D] -> [N, K, G, Tq_pad, D]; keys/values -> [N, K, Tk_pad, D]
-    q = query.reshape(n, q_len, k_heads, groups, d).transpose(0, 2, 3, 1, 4)
-    q = _pad_len(q, 3, cfg.padded_q)
-    k = _pad_len(key.reshape(n, kv_len, k_heads, d).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
-    v = _pad_len(value.reshape(n, kv_len, k_heads, dv).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
-    aux = _aux(cfg, ops, tuple(batch), query.dtype)
+    *batch, q_len, num_heads, _ = query.shape
+    dv = value.shape[-1]
+    cfg, q, k, v, aux, mops = _prepare(query, key, value, ops, settings, block_q, block_k)
     try:
-        out, lse = _by_head_groups(cfg, q, k, v, aux)
+        out, lse = _by_head_groups(cfg, q, k, v, aux, mops)
     except TypeError as e:
         if "forward-mode" not in str(e):
             raise
@@ -957,6 +1108,53 @@ def attention(
     return out, lse
 
 
+def tile_flags(query, key, value, ops: Operands, settings: Settings, *, block_q=None,
+               block_k=None):  # fmt: skip
+    """The forward pass's schedule of a validated call: ``(needed, full, fast)`` with
+    ``needed``/``full`` bool numpy ``[num_q_tiles, num_kv_tiles]`` (computed at all;
+    computed without an elementwise mask) and ``fast`` whether the causal fast path runs.
+
+    For inspection and tests (how many tiles a mask skips); eager calls only.
+    """
+    cfg, _, _, _, aux, _ = _prepare(query, key, value, ops, settings, block_q, block_k)
+    schedule = _schedule(cfg, aux)
+    fast = _causal_fast(cfg, aux, cfg.block_q, cfg.block_k)
+    return np.asarray(schedule.needed), np.asarray(schedule.full), fast
+
+
+def _prepare(query, key, value, ops: Operands, settings: Settings, block_q, block_k):
+    """``(cfg, q, k, v, aux, mops)``: the call in tile layout (see :func:`attention`)."""
+    *batch, q_len, num_heads, d = query.shape
+    kv_len, k_heads, dv = value.shape[-3:]
+    n = math.prod(batch)
+    groups = num_heads // k_heads
+    # A ready-made causal mask_mod is the causal band: the same schedule (and fast path)
+    causal, mask_rest = tm.peel_band(settings.mask_mod)
+    cfg = make_config(
+        q_len=q_len,
+        kv_len=kv_len,
+        num_heads=num_heads,
+        kv_heads=k_heads,
+        batch_size=n,
+        scale=ops.scale,
+        is_causal=settings.is_causal or causal,
+        window=settings.window,
+        dropout=ops.dropout_rng is not None,
+        dropout_shared=settings.dropout_shared,
+        precision=settings.precision,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    # [batch..., T, H, D] -> [N, K, G, Tq_pad, D]; keys/values -> [N, K, Tk_pad, D]
+    q = query.reshape(n, q_len, k_heads, groups, d).transpose(0, 2, 3, 1, 4)
+    q = _pad_len(q, 3, cfg.padded_q)
+    k = _pad_len(key.reshape(n, kv_len, k_heads, d).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
+    v = _pad_len(value.reshape(n, kv_len, k_heads, dv).transpose(0, 2, 1, 3), 2, cfg.padded_kv)
+    aux = _aux(cfg, ops, tuple(batch), query.dtype)
+    cfg, aux, mops = _modifiers(cfg, aux, ops, settings, mask_rest, tuple(batch), query.dtype)
+    return cfg, q, k, v, aux, mops
+
+
 def head_groups(cfg: Config) -> int:
     """How many independent computations :func:`attention` splits the heads into.
 
@@ -973,11 +1171,56 @@ def head_groups(cfg: Config) -> int:
 _SPLIT_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _by_head_groups(cfg: Config, q, k, v, aux: Aux):
+def _modifiers(cfg: Config, aux: Aux, ops: Operands, settings: Settings, mask_rest, batch, dtype):
+    """The call's score_mod, mask_mod, block mask, sinks and bias in the tile loops' terms:
+    ``(cfg with its ModSpec, aux with mask consts and tile states, ModOperands)``.
+
+    ``mask_rest`` is the call's mask_mod less a peeled causal part (the band). The tile
+    states come from the block mask when the path's tiles (forward and backward) are
+    multiples of its tiles; otherwise (or without a block mask) the mask_mod is evaluated
+    once per call at tiles dividing both passes' (:func:`jattn._tile_mods.block_states`).
+    """
+    f32 = _softmax_dtype(dtype)
+    spec, mops = tm.ModSpec(), tm.ModOperands()
+    if settings.score_mod is not None:
+        fn, consts = tm.hoist_modifier(settings.score_mod, "score", f32)
+        floats = tuple(bool(jnp.issubdtype(jnp.result_type(c), jnp.floating)) for c in consts)
+        spec = dataclasses.replace(spec, score=fn, score_float=floats)
+        mops = mops._replace(score_consts=tuple(consts))
+    if mask_rest is not None:
+        fn, consts = tm.hoist_modifier(mask_rest, "mask", f32)
+        spec = dataclasses.replace(spec, mask=fn)
+        aux = aux._replace(mask_consts=tuple(consts))
+    if mask_rest is not None or ops.block_mask is not None:
+        tiles = ((cfg.block_q, cfg.block_k), (cfg.bwd_block_q, cfg.bwd_block_k))
+        bm = ops.block_mask
+        if bm is not None and all(t[0] % bm.block_q == 0 and t[1] % bm.block_k == 0 for t in tiles):
+            block = (bm.block_q, bm.block_k)
+        else:
+            block = (math.gcd(cfg.block_q, cfg.bwd_block_q), math.gcd(cfg.block_k, cfg.bwd_block_k))
+        states = tm.block_states(
+            settings.mask_mod, bm, n=cfg.batch_size, num_heads=cfg.num_heads, q_len=cfg.q_len,
+            kv_len=cfg.kv_len, block=block,
+        )  # fmt: skip
+        spec = dataclasses.replace(spec, states_block=block)
+        aux = aux._replace(tile_states=states)
+    if ops.sinks is not None:
+        sinks = ops.sinks.astype(f32).reshape(cfg.kv_heads, cfg.num_heads // cfg.kv_heads)
+        mops = mops._replace(sinks=sinks)
+    if ops.bias is not None:
+        bias = tm.bias_operand(
+            ops.bias, batch, cfg.num_heads, cfg.kv_heads, cfg.padded_q, cfg.padded_kv, f32
+        )
+        spec = dataclasses.replace(spec, has_bias=True)
+        mops = mops._replace(bias=bias)
+    return dataclasses.replace(cfg, mods=spec), aux, mops
+
+
+def _by_head_groups(cfg: Config, q, k, v, aux: Aux, mops: tm.ModOperands):
     """:func:`_attention` over groups of key/value heads (:func:`head_groups`), joined."""
     groups = head_groups(cfg)
     if groups == 1:
-        return _attention(cfg, q, k, v, aux)
+        return _attention(cfg, q, k, v, aux, mops)
     width = cfg.kv_heads // groups
     outs, lses = [], []
     for g in range(groups):
@@ -988,7 +1231,13 @@ def _by_head_groups(cfg: Config, q, k, v, aux: Aux):
         mask = aux.mask
         if mask is not None and mask.shape[1] > 1:
             mask = mask[:, part]
-        out, lse = _attention(sub, q[:, part], k[:, part], v[:, part], aux._replace(mask=mask))
+        sub_mops = mops._replace(
+            sinks=None if mops.sinks is None else mops.sinks[part],
+            bias=mops.bias if mops.bias is None or mops.bias.shape[1] == 1 else mops.bias[:, part],
+        )
+        out, lse = _attention(
+            sub, q[:, part], k[:, part], v[:, part], aux._replace(mask=mask), sub_mops
+        )
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)

@@ -256,8 +256,10 @@ def dot_product_attention(
       measured faster, ``benchmarks/results.md``), else ``'dense'``; never a kernel.
 
     ``'blockwise'`` is skipped when the call needs the weight matrix (``return_weights=True``,
-    ``module=``), adds a ``bias`` array, has a traced ``scale``, uses flax's einsum hooks or
-    a modifier (``score_mod``, ``mask_mod``, ``sinks``, ``block_mask``).
+    ``module=``), has a traced ``scale`` or uses flax's einsum hooks. It takes a ``bias``
+    (sliced per tile, its gradient in its own shape) and the modifiers (``score_mod`` and
+    ``mask_mod`` per tile, ``sinks`` in each row's running softmax, a ``block_mask``'s tile
+    states for the schedule), so long calls with them run blockwise too.
     Under forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) or nested reverse mode traced
     around the call, ``'blockwise'`` is skipped too; only ``jax.jvp(jax.jit(f))``, whose jit
     was traced beforehand, hides the transformation: pass ``implementation='dense'`` there.
@@ -331,8 +333,10 @@ def dot_product_attention(
         k, v), as without sinks.
       block_mask: a :class:`jattn.BlockMask` from :func:`jattn.block_mask`: its
         ``mask_mod`` evaluated per tile once, reusable across calls (the blockwise path
-        will use it to skip tiles; the dense path applies its ``mask_mod``). It replaces
-        ``mask_mod`` (or must carry the same one).
+        skips its EMPTY tiles and masks only its PARTIAL ones, coarsening its states to
+        the path's tiles when those are multiples of its tiles, else evaluating the
+        ``mask_mod`` again at the path's tiles; the dense path applies its ``mask_mod``).
+        It replaces ``mask_mod`` (or must carry the same one).
 
     Returns:
       ``[batch..., q_len, num_heads, v_head_dim]`` in ``dtype``; with ``return_weights``

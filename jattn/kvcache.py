@@ -27,6 +27,16 @@ queries (``t >= num_new[b]``) attend nothing: zero output, as
 All shapes are fixed (the key axis is always ``capacity``), so a jitted decode step
 compiles once, whatever the lengths.
 
+**Modifiers.** :func:`attend` and :func:`update_and_attend` take FlexAttention's
+``score_mod`` and ``mask_mod`` (:mod:`jattn.mods`) and ``sinks``, as
+:func:`jattn.dot_product_attention`, with *absolute* positions: ``q_idx`` of query ``t``
+of row ``b`` is ``lengths[b] + t`` (before the append) and ``kv_idx`` the position of the
+token a key holds (a :class:`KVCache`'s slot ``j`` holds position ``j``; a rolling
+cache's slot holds the latest position congruent to it), so decoding a sequence with a
+modifier, token by token or in ragged chunks, equals one full-sequence call with it.
+``b`` and ``h`` are the flattened batch row and the query head. Arrays a modifier indexes
+by position (document segment ids) must cover every position decoded.
+
 **Capacity.** When the lengths can be read without a device-to-host copy (eager calls on
 CPU), a chunk that does not fit raises a ValueError before anything is written. Under
 ``jax.jit`` the lengths are traced and nothing can raise (and on GPU/TPU an eager check
@@ -56,6 +66,7 @@ have overwritten keys the chunk's first queries need.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -255,6 +266,16 @@ def append(cache: AnyCache, key, value, *, num_new=None) -> AnyCache:
         for what happens under jit).
     """
     cache = _check_cache(cache)
+    key, value, num_new = _check_chunk(cache, key, value, num_new)
+    return _append(cache, key, value, num_new)
+
+
+def _check_chunk(cache: AnyCache, key, value, num_new):
+    """Validates a chunk against ``cache``; returns ``(key, value, num_new int32 [batch...])``.
+
+    For a :class:`KVCache` whose lengths can be read without a device-to-host copy, a chunk
+    that does not fit raises here (see the module docstring for jit).
+    """
     key, value = _checks.float_array(key, "key"), _checks.float_array(value, "value")
     batch_shape, cap = cache.keys.shape[:-3], capacity(cache)
     for name, x, buf in (("key", key, cache.keys), ("value", value, cache.values)):
@@ -270,11 +291,13 @@ def append(cache: AnyCache, key, value, *, num_new=None) -> AnyCache:
             f"{value.shape}."
         )
     num_new = _num_new(num_new, batch_shape, chunk_len)
-    if isinstance(cache, RollingKVCache):
-        return _rolling_append(cache, key, value, num_new)
     # An eager check where reading the lengths costs no device-to-host copy; under jit (or
     # on an accelerator) the overflow is handled as the module docstring says.
-    if _checks.is_host_value(cache.lengths) and _checks.is_host_value(num_new):
+    if (
+        isinstance(cache, KVCache)
+        and _checks.is_host_value(cache.lengths)
+        and _checks.is_host_value(num_new)
+    ):
         ends = np.asarray(cache.lengths) + np.asarray(num_new)
         if ends.size and ends.max() > cap:
             raise ValueError(
@@ -283,8 +306,15 @@ def append(cache: AnyCache, key, value, *, num_new=None) -> AnyCache:
                 "Build the cache with a larger capacity (Linen: init with a longer input; NNX: "
                 "init_cache with a longer input_shape), or generate fewer tokens."
             )
+    return key, value, num_new
 
-    n = int(np.prod(batch_shape, dtype=np.int64))
+
+def _append(cache: AnyCache, key: Array, value: Array, num_new: Array) -> AnyCache:
+    """:func:`append` of a chunk :func:`_check_chunk` validated."""
+    if isinstance(cache, RollingKVCache):
+        return _rolling_append(cache, key, value, num_new)
+    cap, chunk_len = capacity(cache), key.shape[-3]
+    n = int(np.prod(cache.lengths.shape, dtype=np.int64))
     t = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [1, T]
     # [B, T]: where each chunk token goes; padding and overflow get index `cap`, which
     # mode="drop" discards, so a write can never clamp onto (and clobber) a real entry.
@@ -371,16 +401,29 @@ def decode_mask(
       window: deprecated: ``window=n`` is ``local_window_size=(n, None)``.
     """
     is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "decode_mask")
-    starts, lengths = jnp.asarray(starts), jnp.asarray(lengths)
-    for name, x in (("starts", starts), ("lengths", lengths)):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"{name} must hold integers (token counts), got dtype {x.dtype}.")
-    if starts.shape != lengths.shape:
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"lengths must hold integers (token counts), got dtype {lengths.dtype}.")
+    starts = _check_starts(starts, lengths.shape)
+    num_new = _num_new(num_new, starts.shape, q_len)
+    return _decode_mask(starts, lengths, q_len, kv_len, num_new, is_causal, window)
+
+
+def _check_starts(starts, batch_shape: tuple[int, ...]) -> Array:
+    """``starts`` as int32 ``[batch...]`` (each row's length before a chunk)."""
+    starts = jnp.asarray(starts)
+    if not jnp.issubdtype(starts.dtype, jnp.integer):
+        raise TypeError(f"starts must hold integers (token counts), got dtype {starts.dtype}.")
+    if starts.shape != batch_shape:
         raise ValueError(
-            f"starts must have the batch shape {lengths.shape} (one length per row), got "
+            f"starts must have the batch shape {batch_shape} (one length per row), got "
             f"{starts.shape}."
         )
-    starts = starts.astype(jnp.int32)
+    return starts.astype(jnp.int32)
+
+
+def _decode_mask(starts, lengths, q_len, kv_len, num_new, is_causal, window) -> Array:
+    """:func:`decode_mask` of validated arguments (``window`` a ``(left, right)`` or None)."""
     # [batch..., 1, 1]: per-row offsets broadcast against the [q_len, kv_len] builders.
     offset = starts[..., None, None]
     parts = [masks_lib.padding_mask_from_lengths(key_lengths=lengths, kv_len=kv_len)]
@@ -392,11 +435,66 @@ def decode_mask(
         )
         parts.append(window_mask[..., None, :, :])
     # Real queries that were stored: t < num_new and starts + t < capacity.
-    real = jnp.minimum(
-        _num_new(num_new, starts.shape, q_len), jnp.maximum(kv_len - starts, 0)
-    ).astype(jnp.int32)
+    real = jnp.minimum(num_new, jnp.maximum(kv_len - starts, 0)).astype(jnp.int32)
     parts.append(masks_lib.padding_mask_from_lengths(query_lengths=real, q_len=q_len))
     return masks_lib.combine_masks(*parts)
+
+
+# ----------------------------------------------------------------------------------------
+# Score and mask modifiers at absolute positions
+# ----------------------------------------------------------------------------------------
+
+
+def _check_modifiers(score_mod, mask_mod, query: Array, kv_len: int) -> None:
+    """Validates a decoding call's ``score_mod`` / ``mask_mod`` before they are wrapped.
+
+    Ready-made modifiers check their batch rows and heads; their position-indexed arrays
+    (document segment ids) cannot be checked against a length: positions are absolute.
+    """
+    *batch, q_len, num_heads, _ = query.shape
+    shape = (*batch, num_heads, q_len, kv_len)
+    _checks.score_mod(score_mod, shape, jnp.promote_types(query.dtype, jnp.float32))
+    _checks.mask_mod(mask_mod, shape)
+    for fn in (score_mod, mask_mod):
+        _checks.modifier_sizes(fn, math.prod(batch), num_heads, None, None)
+
+
+def _at_positions(score_mod, mask_mod, q_starts: Array, kv_positions: Array | None = None):
+    """``(score_mod, mask_mod)`` that see absolute positions instead of row/slot indices.
+
+    Query ``t`` of flattened row ``b`` is at ``q_starts[b] + t``; key slot ``j`` at
+    ``kv_positions[b, j]`` (None: at ``j``, a :class:`KVCache`'s slot is its position).
+    ``b`` and ``h`` pass unchanged (the batch and query head, as FlexAttention's).
+
+    Args:
+      score_mod: the caller's, or None.
+      mask_mod: the caller's, or None.
+      q_starts: int32 ``[batch...]``: each row's position of its chunk's first token.
+      kv_positions: int32 ``[N, S]`` (N the flattened batch), every entry ``>= 0``.
+    """
+    starts = q_starts.reshape(-1)  # [N]
+
+    def positions(b, q_idx, kv_idx):
+        # [N|1, 1, 1, 1] + [1, 1, Tq, 1] and [N|1, 1, 1, S]: broadcast like the scores
+        q = starts[b] + q_idx
+        kv = kv_idx if kv_positions is None else kv_positions[b, kv_idx]
+        return q, kv
+
+    def absolute_score_mod(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, *positions(b, q_idx, kv_idx))
+
+    def absolute_mask_mod(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, *positions(b, q_idx, kv_idx))
+
+    return (
+        None if score_mod is None else absolute_score_mod,
+        None if mask_mod is None else absolute_mask_mod,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Attention over the cache
+# ----------------------------------------------------------------------------------------
 
 
 def attend(
@@ -408,6 +506,8 @@ def attend(
     mask=None,
     is_causal: bool = True,
     local_window_size: int | tuple[int, int | None] | None = None,
+    score_mod=None,
+    mask_mod=None,
     causal: bool | None = None,
     window: int | None = None,
     **attention_kwargs,
@@ -431,11 +531,21 @@ def attend(
       local_window_size: optional sliding window ``(left, right)`` around the query's
         position ``p`` (keys ``p - left ... p + right``; ``right`` may be None), or an int
         ``n`` for ``(n, n)``; with ``is_causal`` the right side is hidden anyway.
+      score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` (see
+        :mod:`jattn.mods`) with *absolute* positions: ``q_idx = starts[b] + t``, ``kv_idx``
+        the key's position in the sequence (here its cache slot), so decoding with a
+        modifier equals a full-sequence call with it. Arrays it indexes by position
+        (document segment ids) must cover every position reached (a position past their
+        end reads their last entry, as ``jnp`` indexing clamps).
+      mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` at absolute
+        positions, ANDed with the decoding mask.
       causal: deprecated name of ``is_causal``.
       window: deprecated: ``window=n`` is ``local_window_size=(n, None)``.
       **attention_kwargs: other keywords of :func:`jattn.dot_product_attention`
-        (``scale``, ``dtype``, ``precision``, ``dropout_rate``, ``dropout_rng``,
+        (``scale``, ``sinks``, ``dtype``, ``precision``, ``dropout_rate``, ``dropout_rng``,
         ``deterministic``, ``broadcast_dropout``, ``module``, ``return_weights``, ...).
+        ``sinks`` (per-head logits ``[num_heads]``) works as in a full call; a padding
+        query attends only its sink: zero output.
 
     Returns:
       ``[batch..., T, num_heads, v_head_dim]`` (and the weights
@@ -452,21 +562,29 @@ def attend(
     is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "attend")
     _check_attention_kwargs(attention_kwargs, "attend")
     query = _check_query(query, cache)
-    decoding = decode_mask(
-        starts,
-        cache.lengths,
-        query.shape[-3],
-        capacity(cache),
-        num_new=num_new,
-        is_causal=is_causal,
-        local_window_size=window,
+    starts = _check_starts(starts, cache.lengths.shape)
+    num_new = _num_new(num_new, starts.shape, query.shape[-3])
+    _check_modifiers(score_mod, mask_mod, query, capacity(cache))
+    return _attend(
+        cache, query, starts, num_new, mask, is_causal, window, (score_mod, mask_mod),
+        attention_kwargs,
+    )  # fmt: skip
+
+
+def _attend(cache, query, starts, num_new, mask, is_causal, window, modifiers, kwargs):
+    """:func:`attend` of validated arguments (``modifiers``: ``(score_mod, mask_mod)``)."""
+    decoding = _decode_mask(
+        starts, cache.lengths, query.shape[-3], capacity(cache), num_new, is_causal, window
     )
+    score_mod, mask_mod = _at_positions(*modifiers, starts)
     return functional.dot_product_attention(
         query,
         cache.keys,
         cache.values,
         mask=masks_lib.combine_masks(decoding, mask),
-        **attention_kwargs,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        **kwargs,
     )
 
 
@@ -476,6 +594,12 @@ def _check_attention_kwargs(attention_kwargs, where: str) -> None:
         raise TypeError(
             f"{where}() builds the decoding mask itself; do not pass {clash}. Use is_causal=, "
             "local_window_size= or mask= instead."
+        )
+    if "block_mask" in attention_kwargs:
+        raise TypeError(
+            f"{where}() takes no block_mask: a block mask is built for one call's (q_len, "
+            "kv_len), and a decoding step's keys are the cache's slots. Pass its mask_mod= "
+            "instead (decoding evaluates it at absolute positions)."
         )
 
 
@@ -487,6 +611,11 @@ def _check_query(query, cache: AnyCache) -> Array:
             f"the cache, got {query.shape}."
         )
     return query
+
+
+# ----------------------------------------------------------------------------------------
+# Rolling caches
+# ----------------------------------------------------------------------------------------
 
 
 def _rolling_window(cap: int, window) -> tuple[int, int | None]:
@@ -532,21 +661,35 @@ def rolling_mask(
     window = (
         None if local_window_size is None else _checks.window(local_window_size, open_right=True)
     )
-    left, right = _rolling_window(cap, window)
+    window = _rolling_window(cap, window)
     starts = jnp.asarray(starts)
     if not jnp.issubdtype(starts.dtype, jnp.integer):
         raise TypeError(f"starts must hold integers (token counts), got dtype {starts.dtype}.")
     starts = starts.astype(jnp.int32)
+    num_new = _num_new(num_new, starts.shape, q_len)
+    return _rolling_mask(starts, q_len, cap, num_new, is_causal, window)
+
+
+def _rolling_keys(starts: Array, q_len: int, cap: int, num_new: Array):
+    """``(key_pos, key_real)`` int32 / bool ``[batch..., cap + T]``: each key's position
+    (a slot never written has a negative one) and whether it holds a real token."""
     lead = (1,) * starts.ndim
     s = starts[..., None]  # [batch..., 1]
     j = jnp.arange(cap, dtype=jnp.int32).reshape(*lead, cap)
     t = jnp.arange(q_len, dtype=jnp.int32).reshape(*lead, q_len)
-    real = _num_new(num_new, starts.shape, q_len)[..., None]  # [batch..., 1]
-    # [batch..., cap + T]: each key's position and whether it holds a real token
     slot_pos = s - 1 - jnp.remainder(s - 1 - j, cap)
     key_pos = jnp.concatenate([slot_pos, s + t], axis=-1)
-    key_real = jnp.concatenate([slot_pos >= 0, t < real], axis=-1)
-    q_pos, q_real = s + t, t < real  # [batch..., T]
+    key_real = jnp.concatenate([slot_pos >= 0, t < num_new[..., None]], axis=-1)
+    return key_pos, key_real
+
+
+def _rolling_mask(starts, q_len, cap, num_new, is_causal, window) -> Array:
+    """:func:`rolling_mask` of validated arguments (``window``: ``(left, right)``)."""
+    left, right = window
+    lead = (1,) * starts.ndim
+    key_pos, key_real = _rolling_keys(starts, q_len, cap, num_new)
+    t = jnp.arange(q_len, dtype=jnp.int32).reshape(*lead, q_len)
+    q_pos, q_real = starts[..., None] + t, t < num_new[..., None]  # [batch..., T]
     # [batch..., T, cap + T]: distance from each query back to each key
     back = q_pos[..., :, None] - key_pos[..., None, :]
     visible = key_real[..., None, :] & q_real[..., :, None] & (back <= left)
@@ -557,22 +700,29 @@ def rolling_mask(
     return visible[..., None, :, :]
 
 
-def _rolling_update_and_attend(cache, query, key, value, *, num_new, mask, is_causal, window, **kw):
-    """:func:`update_and_attend` for a rolling cache: attend over it and the chunk, then write."""
-    cap = capacity(cache)
-    query = _check_query(query, cache)
+def _rolling_attend(cache, query, key, value, num_new, mask, is_causal, window, modifiers, kw):
+    """Attention of a chunk over a rolling cache *before* its append, plus the chunk."""
+    cap, q_len = capacity(cache), query.shape[-3]
     starts = cache.lengths
-    updated = append(cache, key, value, num_new=num_new)  # checks the chunk's shapes
-    visible = rolling_mask(
-        starts, query.shape[-3], cap, num_new=num_new, is_causal=is_causal, local_window_size=window
-    )
+    visible = _rolling_mask(starts, q_len, cap, num_new, is_causal, window)
     # [batch..., cap + T, K, D]: the keys before the chunk, then the chunk's (in the cache dtype)
     keys = jnp.concatenate([cache.keys, jnp.asarray(key, cache.keys.dtype)], axis=-3)
     values = jnp.concatenate([cache.values, jnp.asarray(value, cache.values.dtype)], axis=-3)
-    out = functional.dot_product_attention(
-        query, keys, values, mask=masks_lib.combine_masks(visible, mask), **kw
+    score_mod, mask_mod = modifiers
+    if score_mod is not None or mask_mod is not None:
+        key_pos, _ = _rolling_keys(starts, q_len, cap, num_new)
+        # [N, cap + T]; never-written slots (hidden by the mask) read position 0, not -1
+        kv_positions = jnp.maximum(key_pos, 0).reshape(-1, cap + q_len)
+        score_mod, mask_mod = _at_positions(score_mod, mask_mod, starts, kv_positions)
+    return functional.dot_product_attention(
+        query,
+        keys,
+        values,
+        mask=masks_lib.combine_masks(visible, mask),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        **kw,
     )
-    return out, updated
 
 
 def update_and_attend(
@@ -585,6 +735,8 @@ def update_and_attend(
     mask=None,
     is_causal: bool = True,
     local_window_size: int | tuple[int, int | None] | None = None,
+    score_mod=None,
+    mask_mod=None,
     causal: bool | None = None,
     window: int | None = None,
     **attention_kwargs,
@@ -596,8 +748,10 @@ def update_and_attend(
       query: ``[batch..., T, num_heads, head_dim]``.
       key: ``[batch..., T, num_kv_heads, head_dim]``.
       value: ``[batch..., T, num_kv_heads, v_head_dim]``.
-      num_new, mask, is_causal, local_window_size, causal, window: as :func:`attend`.
-      **attention_kwargs: as :func:`attend`.
+      num_new, mask, is_causal, local_window_size, score_mod, mask_mod, causal, window: as
+        :func:`attend` (``q_idx``/``kv_idx`` of the modifiers are absolute positions; with
+        a rolling cache ``kv_idx`` is the position each slot holds, not the slot).
+      **attention_kwargs: as :func:`attend` (``sinks=`` included).
 
     Returns:
       ``(output, cache)``: the attention output as :func:`attend` (a pair with
@@ -609,29 +763,23 @@ def update_and_attend(
     is_causal, window = _mask_options(
         is_causal, local_window_size, causal, window, "update_and_attend"
     )
-    if isinstance(cache, RollingKVCache):
-        _check_attention_kwargs(attention_kwargs, "update_and_attend")
-        return _rolling_update_and_attend(
-            cache,
-            query,
-            key,
-            value,
-            num_new=num_new,
-            mask=mask,
-            is_causal=is_causal,
-            window=window,
-            **attention_kwargs,
-        )
-    starts = cache.lengths
-    cache = append(cache, key, value, num_new=num_new)
-    out = attend(
-        cache,
-        query,
-        starts=starts,
-        num_new=num_new,
-        mask=mask,
-        is_causal=is_causal,
-        local_window_size=window,
-        **attention_kwargs,
-    )
-    return out, cache
+    _check_attention_kwargs(attention_kwargs, "update_and_attend")
+    query = _check_query(query, cache)
+    key, value, num_new = _check_chunk(cache, key, value, num_new)
+    rolling = isinstance(cache, RollingKVCache)
+    kv_len = capacity(cache) + (query.shape[-3] if rolling else 0)
+    _check_modifiers(score_mod, mask_mod, query, kv_len)
+    modifiers = (score_mod, mask_mod)
+    updated = _append(cache, key, value, num_new)
+    if rolling:
+        window = _rolling_window(capacity(cache), window)
+        out = _rolling_attend(
+            cache, query, key, value, num_new, mask, is_causal, window, modifiers,
+            attention_kwargs,
+        )  # fmt: skip
+    else:
+        out = _attend(
+            updated, query, cache.lengths, num_new, mask, is_causal, window, modifiers,
+            attention_kwargs,
+        )  # fmt: skip
+    return out, updated

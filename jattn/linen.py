@@ -13,10 +13,12 @@ Book (PyTorch) -> ``jattn.linen`` (parameter names):
   ``heads.{i}.W_query``).
 * ``MultiHeadAttention`` -> ``MultiHeadAttention(d_out, context_length, dropout, num_heads,
   qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True, qk_norm=False,
-  qk_norm_eps=1e-6, rope=None)``: ``W_query``, ``W_key``, ``W_value``, ``out_proj``
-  (``{kernel, bias}``), and ``q_norm``/``k_norm`` (``{scale}``) with ``qk_norm``. The
-  keyword options after ``num_kv_heads`` are the book's Llama 3 / Qwen3 attention
-  (:mod:`jattn.models`); their defaults are chapter 3's class.
+  qk_norm_eps=1e-6, rope=None, softcap=None, sinks=False, score_mod=None,
+  mask_mod=None)``: ``W_query``, ``W_key``, ``W_value``, ``out_proj`` (``{kernel,
+  bias}``), ``q_norm``/``k_norm`` (``{scale}``) with ``qk_norm``, and ``sinks`` with
+  ``sinks=True``. The keyword options after ``num_kv_heads`` are the book's Llama 3 /
+  Qwen3 attention (:mod:`jattn.models`) and score/mask modifiers (:mod:`jattn.mods`);
+  their defaults are chapter 3's class.
 
 ``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
 the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -530,6 +533,20 @@ class MultiHeadAttention(_Dropout):
       qk_norm: RMSNorm on every query and key head (Qwen3).
       qk_norm_eps: epsilon of those RMSNorms (> 0).
       rope: a :class:`jattn.rope.RoPE` (Llama 3 / Qwen3), or None; needs an even head_dim.
+      softcap: soft-cap the scaled logits at this value, ``cap * tanh(score / cap)`` (Gemma
+        2 uses 50.0), or None. Applied after ``score_mod``.
+      sinks: True: a learnable parameter ``sinks [num_heads]`` (zeros at init, in
+        ``param_dtype``; partitioned over ``model_axis``): one attention-sink logit per
+        head in every row's softmax (gpt-oss). Load trained values into the parameter
+        tree as any other parameter.
+      score_mod: a ``score_mod(score, b, h, q_idx, kv_idx)`` for every call
+        (:mod:`jattn.mods`, e.g. ``mods.alibi(mods.alibi_slopes(num_heads))``), or None.
+      mask_mod: a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` ANDed with the causal mask,
+        e.g. ``mods.sliding_window(4096)``; for prefix-LM (keys after the query visible)
+        build the module with ``is_causal=False``.
+
+    In decode mode the modifiers' ``q_idx``/``kv_idx`` are absolute positions (each row's
+    cache length onward), so decoding equals the full-sequence call.
     """
 
     d_out: int
@@ -545,6 +562,10 @@ class MultiHeadAttention(_Dropout):
     qk_norm: bool = False
     qk_norm_eps: float = 1e-6
     rope: RoPE | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
 
     def __post_init__(self):
         mu.check_config(
@@ -561,8 +582,15 @@ class MultiHeadAttention(_Dropout):
 
     @property
     def config(self) -> mu.ModuleConfig:
-        """The attention options of this module (with ``model_axis``)."""
-        return dataclasses.replace(super().config, model_axis=self.model_axis)
+        """The attention options of this module (with ``model_axis`` and the modifiers)."""
+        return dataclasses.replace(
+            super().config,
+            model_axis=self.model_axis,
+            softcap=self.softcap,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod,
+            sinks=self.sinks,
+        )
 
     @property
     def head_config(self) -> mu.HeadConfig:
@@ -592,6 +620,15 @@ class MultiHeadAttention(_Dropout):
             nn.RMSNorm, epsilon=heads.qk_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype
         )
         return norm(name="q_norm"), norm(name="k_norm")
+
+    def _sinks_param(self, heads: mu.HeadConfig) -> Array | None:
+        """The ``sinks`` parameter ``[num_heads]`` (zeros at init), or None."""
+        if not self.sinks:
+            return None
+        init = nn.initializers.zeros_init()
+        if self.model_axis is not None:
+            init = nn.with_partitioning(init, (self.model_axis,))
+        return self.param("sinks", init, (heads.num_heads,), self.param_dtype)
 
     @nn.compact
     def __call__(
@@ -646,6 +683,7 @@ class MultiHeadAttention(_Dropout):
             dropout_rng=dropout_rng,
             return_weights=return_weights,
             sow_into=self if sow_weights else None,
+            sinks=self._sinks_param(heads),
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]

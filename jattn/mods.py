@@ -168,11 +168,15 @@ class ScoreMod(abc.ABC):
     def __call__(self, score, b, h, q_idx, kv_idx) -> Array:
         """The modified scores (see the module docstring for the arguments)."""
 
-    def check_shapes(self, *, batch_size: int, num_heads: int, q_len: int, kv_len: int):
+    def check_shapes(
+        self, *, batch_size: int, num_heads: int, q_len: int | None, kv_len: int | None
+    ):
         """Raises a ValueError if the modifier's arrays do not fit the call's sizes.
 
         :func:`jattn.dot_product_attention` calls it once per call (on full lengths; the
         modifier itself is also called on tiles, where lengths are tile lengths).
+        ``q_len`` and ``kv_len`` are None when positions are absolute and the lengths
+        unknown (decoding through :mod:`jattn.kvcache`): only batch and heads are checked.
         """
         del batch_size, num_heads, q_len, kv_len
 
@@ -187,8 +191,11 @@ class MaskMod(abc.ABC):
     def __call__(self, b, h, q_idx, kv_idx) -> Array:
         """True where the query may attend the key (see the module docstring)."""
 
-    def check_shapes(self, *, batch_size: int, num_heads: int, q_len: int, kv_len: int):
-        """Raises a ValueError if the modifier's arrays do not fit the call's sizes."""
+    def check_shapes(
+        self, *, batch_size: int, num_heads: int, q_len: int | None, kv_len: int | None
+    ):
+        """Raises a ValueError if the modifier's arrays do not fit the call's sizes
+        (``q_len``/``kv_len`` None: unknown, see :meth:`ScoreMod.check_shapes`)."""
         del batch_size, num_heads, q_len, kv_len
 
     def __and__(self, other):
@@ -595,7 +602,7 @@ class Document(MaskMod):
             (self.q_segments, q_len, "q_len"),
             (self.kv_segments, kv_len, "kv_len"),
         ):
-            if ids.shape[1] != length:
+            if length is not None and ids.shape[1] != length:
                 raise ValueError(
                     f"document segment ids have {ids.shape[1]} positions but the call's "
                     f"{name} is {length}."

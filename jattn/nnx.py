@@ -13,8 +13,9 @@ copy. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` 
   dropout, num_heads, qkv_bias=False, *, rngs)``
 * ``MultiHeadAttention`` -> ``MultiHeadAttention(d_in, d_out, context_length, dropout,
   num_heads, qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True,
-  qk_norm=False, qk_norm_eps=1e-6, rope=None, rngs)`` (the options after
-  ``num_kv_heads``: the book's Llama 3 / Qwen3 attention, see the class)
+  qk_norm=False, qk_norm_eps=1e-6, rope=None, softcap=None, sinks=False,
+  score_mod=None, mask_mod=None, rngs)`` (the options after ``num_kv_heads``: the
+  book's Llama 3 / Qwen3 attention and score/mask modifiers, see the class)
 
 Conventions shared by every class:
 
@@ -60,6 +61,7 @@ Conventions shared by every class:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -641,6 +643,15 @@ class MultiHeadAttention(_DropoutAttention):
     ``nnx.RMSNorm(head_dim)`` on every query and key head) and ``rope`` (a
     :class:`jattn.rope.RoPE`: queries and keys rotated after QK-norm, before the cache
     append, at the call's ``positions``).
+
+    Score and mask modifiers (:mod:`jattn.mods`), keyword options as
+    :class:`jattn.linen.MultiHeadAttention`: ``softcap`` (``cap * tanh(score / cap)`` on
+    the scaled logits, after ``score_mod``), ``sinks=True`` (a learnable ``nnx.Param``
+    ``sinks [num_heads]``, zeros at init, in ``param_dtype``: one attention-sink logit per
+    head; ``model.sinks`` is None without it), ``score_mod`` and ``mask_mod`` (FlexAttention's
+    functions, applied at every call; ``mask_mod`` is ANDed with the causal mask, so
+    prefix-LM needs ``is_causal=False``). With ``decode=True`` their ``q_idx``/``kv_idx``
+    are absolute positions, so decoding equals the full-sequence call.
     """
 
     def __init__(
@@ -659,6 +670,10 @@ class MultiHeadAttention(_DropoutAttention):
         qk_norm: bool = False,
         qk_norm_eps: float = 1e-6,
         rope: RoPE | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
         is_causal: bool = True,
         causal: bool | None = None,
         deterministic: bool | None = None,
@@ -713,6 +728,10 @@ class MultiHeadAttention(_DropoutAttention):
             kernel_init=kernel_init,
             bias_init=bias_init,
             model_axis=model_axis,
+            softcap=softcap,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            sinks=sinks,
         )
         self._init_config(config, rngs)
         self._init_layers(heads, kernel_init, bias_init, rngs)
@@ -743,12 +762,22 @@ class MultiHeadAttention(_DropoutAttention):
         # nnx.data: a submodule or None, so the attribute is data either way
         self.q_norm = nnx.data(norm() if heads.qk_norm else None)
         self.k_norm = nnx.data(norm() if heads.qk_norm else None)
+        sinks = None
+        if self.config.sinks:
+            init = nnx.initializers.zeros_init()
+            if model_axis is not None:
+                init = nnx.with_partitioning(init, (model_axis,))
+            sinks = nnx.Param(init(rngs.params(), (heads.num_heads,), self.param_dtype))
+        self.sinks = nnx.data(sinks)
 
     model_axis = property(lambda self: self.config.model_axis)
     out_bias = property(lambda self: self.head_config.out_bias)
     qk_norm = property(lambda self: self.head_config.qk_norm)
     qk_norm_eps = property(lambda self: self.head_config.qk_norm_eps)
     rope = property(lambda self: self.head_config.rope)
+    softcap = property(lambda self: self.config.softcap)
+    score_mod = property(lambda self: self.config.score_mod)
+    mask_mod = property(lambda self: self.config.mask_mod)
 
     def _cache_layout(self) -> tuple[int, int]:
         return self.kv_heads, self.head_dim
@@ -807,6 +836,7 @@ class MultiHeadAttention(_DropoutAttention):
             dropout_rng=dropout_rng,
             return_weights=return_weights,
             sow_into=self if sow_weights else None,
+            sinks=None if self.sinks is None else self.sinks[...],
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]

@@ -362,7 +362,7 @@ def test_automatic_rule():
     assert not _is_blockwise(128, is_causal=True)  # short: dense
     assert not _is_blockwise(1, 4096)  # one query (decoding): dense
     assert not _is_blockwise(256, return_weights=True)  # needs the weights
-    assert not _is_blockwise(256, bias=jnp.zeros((256, 256)))
+    assert _is_blockwise(256, bias=jnp.zeros((256, 256)))  # sliced per tile (issue 13)
     assert _is_blockwise(64, implementation="blockwise")
     assert not _is_blockwise(256, implementation="dense")
 
@@ -372,7 +372,6 @@ def test_automatic_rule():
     [
         (dict(implementation="flash"), "implementation must be None"),
         (dict(implementation="blockwise", return_weights=True), "full \\[q_len, kv_len\\]"),
-        (dict(implementation="blockwise", bias=jnp.zeros((8, 8))), "bias"),
         (dict(key_value_segment_ids=np.zeros((1, 8), int)), "needs query_segment_ids"),
         (dict(query_segment_ids=np.zeros((1, 7), int)), "query_segment_ids must have shape"),
         (dict(query_segment_ids=np.zeros((1, 8))), "must hold integers"),

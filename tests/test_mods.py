@@ -613,13 +613,12 @@ def test_block_mask_state_matches_its_density():
     ],
     ids=["score_mod", "mask_mod", "sinks", "block_mask"],
 )
-def test_automatic_choice_runs_modifiers_dense_and_blockwise_refuses_them(kwargs):
+def test_automatic_choice_runs_long_modified_calls_blockwise(kwargs):
+    # (more in tests/test_mods_blockwise.py)
     q = normal(0, (1, 256, 2, 4))
     auto = dpa(q, q, q, **kwargs)
-    np.testing.assert_array_equal(auto, dpa(q, q, q, implementation="dense", **kwargs))
-    name = next(iter(kwargs))
-    with pytest.raises(ValueError, match=f"it does not take {name} yet"):
-        dpa(q, q, q, implementation="blockwise", **kwargs)
+    np.testing.assert_array_equal(auto, dpa(q, q, q, implementation="blockwise", **kwargs))
+    np.testing.assert_allclose(auto, dpa(q, q, q, implementation="dense", **kwargs), atol=1e-5)
 
 
 def test_native_softcap_recognises_only_a_bare_softcap():

@@ -187,7 +187,7 @@ def test_cpu_rule_is_unchanged_and_never_interprets(monkeypatch, interpret_mode)
     assert _routing.AUTO_MIN_LEN == 256
     assert route_of(monkeypatch, *qkv(t=255), is_causal=True) == "dense"
     assert route_of(monkeypatch, *qkv(t=256), is_causal=True) == "blockwise"
-    assert route_of(monkeypatch, *qkv(t=256), bias=jnp.zeros((256, 256))) == "dense"
+    assert route_of(monkeypatch, *qkv(t=256), bias=jnp.zeros((256, 256))) == "blockwise"
     # Asked for by name, the Pallas kernels run there in interpret mode.
     assert route_of(monkeypatch, *qkv(), implementation="splash") == "splash"
 
@@ -291,7 +291,7 @@ REFUSALS = [
     ("splash", "cpu", {}, dict(dropout_rate=0.1, dropout_rng=KEY), "dropout (jattn's", "'blockwise' or 'dense'"),
     ("pallas_triton", "cpu", {}, dict(dropout_rate=0.1, dropout_rng=KEY), "dropout", "'blockwise' or 'dense'"),
     ("splash", "cpu", {}, dict(mask=MASK), "a mask array (only causal", "'blockwise' or 'dense'"),
-    ("splash", "cpu", {}, dict(bias=jnp.zeros((64, 64))), "a bias array", "(automatic: the fastest path that can) or 'dense'."),
+    ("splash", "cpu", {}, dict(bias=jnp.zeros((64, 64))), "a bias array", "'blockwise' or 'dense'"),
     ("pallas_triton", "cpu", {}, dict(return_weights=True), "return_weights=True and module=", "or 'dense'."),
     ("splash", "cpu", {}, einsum_hooks(), "flax's einsum hooks", "or 'dense'."),
     ("pallas_triton", "cpu", {}, dict(scale="traced"), "a traced scale", "or 'dense'."),
@@ -363,7 +363,7 @@ def test_jattn_paths_name_their_alternative():
         ValueError,
         match=r"\. Use implementation=None \(automatic: the fastest path that can\) or 'dense'\.$",
     ):
-        jattn.dot_product_attention(q, k, v, bias=jnp.zeros((64, 64)), implementation="blockwise")
+        jattn.dot_product_attention(q, k, v, return_weights=True, implementation="blockwise")
 
 
 # ----------------------------------------------------------------------------------------
