@@ -360,6 +360,11 @@ def ring_attention(
         block_q=block_q,
         block_k=block_k,
     )
+    if jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+        # Explicit mesh axes (jax.make_mesh's default): shard_map takes inputs already laid
+        # out as in_specs says, and does not move them itself.
+        layout = jax.sharding.NamedSharding(mesh, spec)
+        query, key, value = (jax.reshard(x, layout) for x in (query, key, value))
     # check_vma=False: blockwise's loops start from fresh (device-invariant) carries.
     return jax.shard_map(
         shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False

@@ -212,6 +212,29 @@ def check_bfloat16(mesh_1d) -> dict:
     }
 
 
+def check_explicit_axes(mesh_1d) -> dict:
+    """A mesh from jax.make_mesh (explicit axes, its default), eager and jitted, 2-D too."""
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((SEQ,), ("seq",), axis_types=(explicit,))
+    mesh_2d = jax.make_mesh((2, 2), ("data", "seq"), axis_types=(explicit, explicit))
+    q, k, v = _inputs((2,), 32, 4, 2, 8, seed=3)
+    ref = _dense(True)(q, k, v)
+
+    def attn(mesh, **kw):
+        return lambda q, k, v: ring.ring_attention(q, k, v, mesh=mesh, is_causal=True, **kw)
+
+    grads = jax.jit(jax.grad(_loss(attn(mesh), 32), argnums=(0, 1, 2)))(q, k, v)
+    grads_ref = jax.grad(_loss(_dense(True), 32), argnums=(0, 1, 2))(q, k, v)
+    return {
+        "explicit_axes": {
+            "eager_err": _max_err(attn(mesh)(q, k, v), ref),
+            "jit_err": _max_err(jax.jit(attn(mesh))(q, k, v), ref),
+            "grad_err": max(_max_err(g, r) for g, r in zip(grads, grads_ref, strict=True)),
+            "batch_seq_err": _max_err(jax.jit(attn(mesh_2d, batch_axis="data"))(q, k, v), ref),
+        }
+    }
+
+
 def check_errors(mesh_1d) -> dict:
     q, k, v = _inputs((1,), 30, 2, 2, 4)  # 30 is not a multiple of 4
     errors = {}
@@ -232,6 +255,7 @@ def main() -> None:
         check_padded_tiles,
         check_inside_user_shard_map,
         check_bfloat16,
+        check_explicit_axes,
         check_errors,
     ):
         results.update(check(mesh_1d))

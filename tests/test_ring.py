@@ -98,6 +98,15 @@ def test_two_dimensional_meshes(multi, mesh_name, shard):
     assert tuple(multi[mesh_name]["shard_shape"]) == shard
 
 
+def test_meshes_with_explicit_axes(multi):
+    """jax.make_mesh's default (explicit axes): shard_map does not move inputs itself there."""
+    result = multi["explicit_axes"]
+    assert result["eager_err"] < FORWARD_TOL, result
+    assert result["jit_err"] < FORWARD_TOL, result
+    assert result["batch_seq_err"] < FORWARD_TOL, result
+    assert result["grad_err"] < 1e-4, result
+
+
 def test_indivisible_length_error(multi):
     assert (
         "q_len (30) must be a multiple of the 'seq' axis size (4)"
