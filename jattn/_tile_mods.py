@@ -41,7 +41,6 @@ from jattn import _closure, block_masks, mods
 __all__ = [
     "ModOperands",
     "ModSpec",
-    "bias_operand",
     "bias_tile",
     "bias_tile_grad",
     "block_states",
@@ -54,6 +53,7 @@ __all__ = [
     "score_tile_vjp",
     "sink_grad",
     "tile_indices",
+    "tile_layout",
 ]
 
 Array = jax.Array
@@ -66,7 +66,7 @@ class ModOperands(NamedTuple):
     Attributes:
       score_consts: the arrays ``score_mod`` reads (hoisted), in its hoisted order.
       sinks: float ``[K, G]`` sink logits, or None.
-      bias: float ``[Nb, Kb, Gb, Lq, Lk]`` (:func:`bias_operand`), or None.
+      bias: float ``[Nb, Kb, Gb, Lq, Lk]`` (:func:`tile_layout`), or None.
     """
 
     score_consts: tuple = ()
@@ -210,24 +210,24 @@ def mask_tile(spec: ModSpec, consts, index) -> Array:
 # ----------------------------------------------------------------------------------------
 
 
-def bias_operand(bias: Array, batch, num_heads, k_heads, padded_q, padded_kv, dtype) -> Array:
-    """A bias broadcastable to ``[batch..., H, Tq, Tk]`` as ``[Nb, Kb, Gb, Lq, Lk]``
-    (``dtype``): size-1 axes stay size 1; full query/key axes are zero-padded."""
-    bias = bias.astype(dtype)
-    bias = bias.reshape((1,) * (len(batch) + 3 - bias.ndim) + bias.shape)
-    if all(s == 1 for s in bias.shape[: len(batch)]):
-        bias = bias.reshape(1, *bias.shape[len(batch) :])
+def tile_layout(x: Array, batch, num_heads, k_heads, padded_q, padded_kv) -> Array:
+    """A mask or bias broadcastable to ``[batch..., H, Tq, Tk]`` as ``[N|1, K|1, G|1, Lq, Lk]``:
+    size-1 axes stay size 1 (nothing is materialised along them); full query / key axes are
+    padded with zeros (False) to the tiled lengths."""
+    x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)
+    if all(s == 1 for s in x.shape[: len(batch)]):
+        x = x.reshape(1, *x.shape[len(batch) :])
     else:
-        bias = jnp.broadcast_to(bias, (*batch, *bias.shape[len(batch) :]))
-        bias = bias.reshape(math.prod(batch), *bias.shape[len(batch) :])
-    _, h, lq, lk = bias.shape
+        x = jnp.broadcast_to(x, (*batch, *x.shape[len(batch) :]))
+        x = x.reshape(math.prod(batch), *x.shape[len(batch) :])
+    _, h, lq, lk = x.shape
     groups = num_heads // k_heads
-    bias = bias.reshape(bias.shape[0], k_heads, groups, lq, lk) if h > 1 else bias[:, :, None]
+    x = x.reshape(x.shape[0], k_heads, groups, lq, lk) if h > 1 else x[:, :, None]
     pad_q = padded_q - lq if lq > 1 else 0
     pad_k = padded_kv - lk if lk > 1 else 0
     if pad_q or pad_k:
-        bias = jnp.pad(bias, ((0, 0), (0, 0), (0, 0), (0, pad_q), (0, pad_k)))
-    return bias
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad_q), (0, pad_k)))
+    return x
 
 
 def _slice(x: Array, start, width: int, axis: int) -> Array:

@@ -129,7 +129,7 @@ class Aux(NamedTuple):
       kv_lengths: int32 ``[N]``: real keys per row.
       q_segments: int32 ``[N, Tq_pad]`` (edge-padded).
       kv_segments: int32 ``[N, Tk_pad]``.
-      mask: bool ``[Nm, Km, Gm, Lq, Lk]`` (see :func:`_mask_operand`).
+      mask: bool ``[Nm, Km, Gm, Lq, Lk]`` (see :func:`jattn._tile_mods.tile_layout`).
       dropout_words: uint32 ``[4]`` from the dropout key (:func:`jattn._prng.key_words`).
       dropout_threshold: uint32 keep threshold (:func:`jattn._prng.keep_threshold`).
       keep_prob: ``1 - rate`` in the softmax dtype.
@@ -986,29 +986,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # Entry points
 # ----------------------------------------------------------------------------------------
 
-def _mask_operand(mask: Array, batch: tuple[int, ...], num_heads: int, k_heads: int, cfg):
-    """A boolean mask broadcastable to ``[batch..., H, Tq, Tk]`` as ``[Nm, Km, Gm, Lq, Lk]``.
-
-    Axes of size 1 stay size 1 (nothing is materialised along them); full-length query
-    and key axes are padded with False to the tiled lengths.
-    """
-    mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + mask.shape)
-    m_batch = mask.shape[: len(batch)]
-    if all(s == 1 for s in m_batch):
-        mask = mask.reshape(1, *mask.shape[len(batch) :])
-    else:
-        mask = jnp.broadcast_to(mask, (*batch, *mask.shape[len(batch) :]))
-        mask = mask.reshape(math.prod(batch), *mask.shape[len(batch) :])
-    _, h, lq, lk = mask.shape
-    groups = num_heads // k_heads
-    mask = mask.reshape(mask.shape[0], k_heads, groups, lq, lk) if h > 1 else mask[:, :, None]
-    pad_q = cfg.padded_q - lq if lq > 1 else 0
-    pad_k = cfg.padded_kv - lk if lk > 1 else 0
-    if pad_q or pad_k:
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, pad_q), (0, pad_k)))
-    return mask
-
-
 def blockwise_attention(
     query: Array,
     key: Array,
@@ -1208,8 +1185,8 @@ def _modifiers(cfg: Config, aux: Aux, ops: Operands, settings: Settings, mask_re
         sinks = ops.sinks.astype(f32).reshape(cfg.kv_heads, cfg.num_heads // cfg.kv_heads)
         mops = mops._replace(sinks=sinks)
     if ops.bias is not None:
-        bias = tm.bias_operand(
-            ops.bias, batch, cfg.num_heads, cfg.kv_heads, cfg.padded_q, cfg.padded_kv, f32
+        bias = tm.tile_layout(
+            ops.bias.astype(f32), batch, cfg.num_heads, cfg.kv_heads, cfg.padded_q, cfg.padded_kv
         )
         spec = dataclasses.replace(spec, has_bias=True)
         mops = mops._replace(bias=bias)
@@ -1228,19 +1205,21 @@ def _by_head_groups(cfg: Config, q, k, v, aux: Aux, mops: tm.ModOperands):
         sub = dataclasses.replace(
             cfg, kv_heads=width, num_heads=cfg.num_heads // groups, head_offset=g * width
         )
-        mask = aux.mask
-        if mask is not None and mask.shape[1] > 1:
-            mask = mask[:, part]
+        sub_aux = aux._replace(mask=_head_part(aux.mask, part, axis=1))
         sub_mops = mops._replace(
-            sinks=None if mops.sinks is None else mops.sinks[part],
-            bias=mops.bias if mops.bias is None or mops.bias.shape[1] == 1 else mops.bias[:, part],
+            sinks=_head_part(mops.sinks, part, axis=0), bias=_head_part(mops.bias, part, axis=1)
         )
-        out, lse = _attention(
-            sub, q[:, part], k[:, part], v[:, part], aux._replace(mask=mask), sub_mops
-        )
+        out, lse = _attention(sub, q[:, part], k[:, part], v[:, part], sub_aux, sub_mops)
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+
+
+def _head_part(x: Array | None, part: slice, axis: int) -> Array | None:
+    """``x``'s key/value heads ``part`` along ``axis`` (None and size-1 axes pass through)."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    return lax.slice_in_dim(x, part.start, part.stop, axis=axis)
 
 
 def _pad_len(x, axis, size):
@@ -1269,7 +1248,9 @@ def _aux(cfg: Config, ops: Operands, batch: tuple[int, ...], dtype) -> Aux:
             kv_segments=_pad_len(k_ids, 1, cfg.padded_kv),
         )
     if ops.mask is not None:
-        mask = _mask_operand(ops.mask, batch, cfg.num_heads, cfg.kv_heads, cfg)
+        mask = tm.tile_layout(
+            ops.mask, batch, cfg.num_heads, cfg.kv_heads, cfg.padded_q, cfg.padded_kv
+        )
         aux = aux._replace(mask=mask)
     if cfg.dropout:
         keep_prob = 1.0 - ops.dropout_rate

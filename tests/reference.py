@@ -6,6 +6,8 @@ conftest). Nothing here imports jattn.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -84,3 +86,21 @@ def np_flex_attention(q, k, v, *, score=None, mask=None, sinks=None, scale=None)
         weights[bi, hi, ti][mask[bi, hi, ti]] = np.exp(row - lse[bi, hi, ti])
     out = np.einsum("nhts,nshd->nthd", weights, v_full)
     return out, weights, lse
+
+
+def np_t5_bucket(
+    rel: int, num_buckets: int, bidirectional: bool = True, max_distance: int = 32
+) -> int:
+    """T5's _relative_position_bucket for one relative position ``rel = key - query``."""
+    bucket, n = 0, num_buckets
+    if bidirectional:
+        n //= 2
+        bucket += n if rel > 0 else 0
+        rel = abs(rel)
+    else:
+        rel = max(-rel, 0)
+    exact = n // 2
+    if rel < exact:
+        return bucket + rel
+    large = exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (n - exact))
+    return bucket + min(large, n - 1)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.test_util import check_grads
-from reference import np_flex_attention
+from reference import np_flex_attention, np_t5_bucket
 
 import jattn
 from jattn import _closure, mods
@@ -35,24 +35,6 @@ def normal(key, shape, dtype=jnp.float32):
 # ----------------------------------------------------------------------------------------
 # numpy versions of the modifiers, from their definitions
 # ----------------------------------------------------------------------------------------
-
-
-def np_t5_bucket(rel: int, num_buckets: int, bidirectional: bool, max_distance: int) -> int:
-    """T5's _relative_position_bucket for one relative position (key - query)."""
-    bucket = 0
-    n = num_buckets
-    if bidirectional:
-        n //= 2
-        if rel > 0:
-            bucket += n
-        rel = abs(rel)
-    else:
-        rel = max(-rel, 0)
-    exact = n // 2
-    if rel < exact:
-        return bucket + rel
-    large = exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (n - exact))
-    return bucket + min(large, n - 1)
 
 
 NP_SCORES = {
@@ -601,24 +583,6 @@ def test_block_mask_state_matches_its_density():
 # ----------------------------------------------------------------------------------------
 # Routing, kernels' view, hoisting for the blockwise custom VJP
 # ----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"score_mod": mods.softcap(2.0)},
-        {"mask_mod": mods.causal()},
-        {"sinks": jnp.zeros(2)},
-        {"block_mask": jattn.block_mask(mods.causal(), q_len=256)},
-    ],
-    ids=["score_mod", "mask_mod", "sinks", "block_mask"],
-)
-def test_automatic_choice_runs_long_modified_calls_blockwise(kwargs):
-    # (more in tests/test_mods_blockwise.py)
-    q = normal(0, (1, 256, 2, 4))
-    auto = dpa(q, q, q, **kwargs)
-    np.testing.assert_array_equal(auto, dpa(q, q, q, implementation="blockwise", **kwargs))
-    np.testing.assert_allclose(auto, dpa(q, q, q, implementation="dense", **kwargs), atol=1e-5)
 
 
 def test_native_softcap_recognises_only_a_bare_softcap():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import np_flex_attention
+from reference import np_flex_attention, np_t5_bucket
 
 import jattn
 from jattn import blockwise, mods
@@ -45,18 +45,6 @@ TABLE = R.normal(size=(16, H)).astype(np.float32)
 SINKS = R.normal(size=H).astype(np.float32)
 IDS = np.stack([np.arange(T) // 40, np.arange(T) // 70]).astype(np.int32)  # [B, T]
 PREFIX = np.array([30, 100], np.int32)
-
-
-def np_t5_bucket(rel, num_buckets, max_distance=32):
-    """T5's bidirectional bucket of ``rel = key - query`` (from its definition)."""
-    n = num_buckets // 2
-    bucket = n if rel > 0 else 0
-    rel = abs(rel)
-    exact = n // 2
-    if rel < exact:
-        return bucket + rel
-    large = exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (n - exact))
-    return bucket + min(large, n - 1)
 
 
 def np_relative(s, b, h, qi, ki):

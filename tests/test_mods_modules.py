@@ -9,8 +9,6 @@ equal it), and finite differences (``jax.test_util.check_grads`` in float64).
 
 from __future__ import annotations
 
-import math
-
 import chex
 import flax.linen as nn
 import jax
@@ -19,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.test_util import check_grads
-from reference import np_flex_attention
+from reference import np_flex_attention, np_t5_bucket
 
 import jattn
 from jattn import convert, kvcache, mods
@@ -35,22 +33,6 @@ CONTEXT = 32
 # ----------------------------------------------------------------------------------------
 # numpy modifiers, from their definitions
 # ----------------------------------------------------------------------------------------
-
-
-def np_t5_bucket(rel: int, num_buckets: int, bidirectional: bool, max_distance: int) -> int:
-    """T5's _relative_position_bucket for one relative position (key - query)."""
-    bucket, n = 0, num_buckets
-    if bidirectional:
-        n //= 2
-        bucket += n if rel > 0 else 0
-        rel = abs(rel)
-    else:
-        rel = max(-rel, 0)
-    exact = n // 2
-    if rel < exact:
-        return bucket + rel
-    large = exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (n - exact))
-    return bucket + min(large, n - 1)
 
 
 def np_relative(table, bidirectional, max_distance):
@@ -155,14 +137,18 @@ def with_sinks(variables, values=SINKS):
     return {"params": params}
 
 
+def init_linen(options, x, seed):
+    """A Linen module with ``options`` and its variables (SINKS set when it has sinks)."""
+    module = linen_mha(**options)
+    variables = module.init(jax.random.key(seed), x)
+    return module, with_sinks(variables) if options.get("sinks") else variables
+
+
 @pytest.mark.parametrize("case", list(MODULE_CASES))
 def test_linen_and_nnx_modules_equal_the_numpy_reference(case):
     options, np_score, np_mask = MODULE_CASES[case]
     x = tokens(0)
-    module = linen_mha(**options)
-    variables = module.init(jax.random.key(1), x)
-    if options.get("sinks"):
-        variables = with_sinks(variables)
+    module, variables = init_linen(options, x, 1)
     want = np_module(
         variables["params"], x, score=np_score, mask=np_mask,
         sinks=SINKS if options.get("sinks") else None,
@@ -177,10 +163,7 @@ def test_linen_and_nnx_modules_equal_the_numpy_reference(case):
 def test_module_equals_its_projections_and_the_functional_call(case):
     options, _, _ = MODULE_CASES[case]
     x = tokens(2)
-    module = linen_mha(**options)
-    variables = module.init(jax.random.key(3), x)
-    if options.get("sinks"):
-        variables = with_sinks(variables)
+    module, variables = init_linen(options, x, 3)
     p = variables["params"]
     split = lambda y, heads: y.reshape(*y.shape[:-1], heads, -1)  # noqa: E731
     q = split(x @ p["W_query"]["kernel"], H)
