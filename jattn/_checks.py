@@ -17,14 +17,17 @@ import inspect
 import math
 import numbers
 import operator
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _util
+
 Array = jax.Array
 
-IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash")
+IMPLEMENTATIONS = _util.IMPLEMENTATIONS  # one list of names (jattn._util)
 """The names ``implementation=`` accepts (None: automatic). ``'xla'`` is jax.nn's name for
 the dense path."""
 
@@ -541,6 +544,20 @@ def sinks(value, num_heads: int) -> Array | None:
     return value
 
 
+@typing.runtime_checkable
+class _BlockMaskLike(typing.Protocol):
+    """What a :class:`jattn.BlockMask` has, for :func:`block_mask` (names the fields read)."""
+
+    state: Array
+    mask_mod: typing.Callable
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+
+    def tile_flags(self) -> tuple[Array, Array]: ...
+
+
 def block_mask(value, mask_mod_fn, logits_shape: tuple[int, ...]):
     """A :class:`jattn.BlockMask` that fits the call; returns ``(mask_mod, block_mask)``.
 
@@ -549,9 +566,9 @@ def block_mask(value, mask_mod_fn, logits_shape: tuple[int, ...]):
     """
     if value is None:
         return mask_mod_fn, None
-    from jattn import block_masks  # lazy: block_masks imports this module
-
-    if not isinstance(value, block_masks.BlockMask):
+    # Structural: jattn.block_masks sits above this module (it uses these checks), and a
+    # BlockMask checked its own fields when it was built.
+    if not isinstance(value, _BlockMaskLike):
         raise TypeError(
             "block_mask must be built by jattn.block_mask(mask_mod, q_len=..., ...), got "
             f"{type(value).__name__}. For a dense boolean array use mask=."

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, blockwise, dense, kernels, mods
+from jattn import _checks, _util, blockwise, dense, kernels, mods
 from jattn._call import DenseExtras, Operands, Settings
 
 Array = jax.Array
@@ -97,21 +97,6 @@ def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: Dens
     return None
 
 
-def _modifiers_given(ops: Operands, settings: Settings) -> str:
-    """The FlexAttention-style options of the call, named for a refusal ('' if none)."""
-    given = [
-        name
-        for name, value in (
-            ("score_mod", settings.score_mod),
-            ("mask_mod", None if ops.block_mask is not None else settings.mask_mod),
-            ("sinks", ops.sinks),
-            ("block_mask", ops.block_mask),
-        )
-        if value is not None
-    ]
-    return ", ".join(given)
-
-
 def _blockwise_run(query, key, value, ops, settings, extras):
     out, lse = blockwise.attention(query, key, value, ops, settings)
     return out, None, lse
@@ -122,9 +107,22 @@ def _blockwise_run(query, key, value, ops, settings, extras):
 # ----------------------------------------------------------------------------------------
 
 
-def _interpret(module) -> bool:
+def lowering_platform(backend: str) -> str:
+    """The lowering platform name (``'cpu'``, ``'cuda'``, ``'rocm'``, ``'tpu'``) of a
+    ``jax.default_backend()`` name: ``'gpu'`` is CUDA or ROCm by the GPU's platform
+    version (CUDA when no GPU device answers, e.g. a simulated backend)."""
+    if backend != "gpu":
+        return backend
+    try:
+        version = jax.devices("gpu")[0].client.platform_version.lower()
+    except (RuntimeError, AttributeError):
+        return "cuda"
+    return "rocm" if "rocm" in version else "cuda"
+
+
+def _interpret(module: kernels.Kernel, platform: str) -> bool:
     """Interpret mode: asked for (``JATTN_PALLAS_INTERPRET``) and off the kernel's hardware."""
-    return kernels.interpret_requested() and not module.available(jax.default_backend())
+    return kernels.interpret_requested() and not module.available(platform)
 
 
 def _default_precision(precision) -> bool:
@@ -139,20 +137,70 @@ def _default_precision(precision) -> bool:
         return False
 
 
+def kernel_query(
+    query, key, value, ops: Operands, settings: Settings, extras: DenseExtras, *, platform: str,
+    interpret: bool,
+) -> kernels.KernelQuery:  # fmt: skip
+    """The static description of a validated call that a kernel adapter reads (built once).
+
+    Args:
+      query, key, value: ``[batch..., Tq, H, D]``, ``[batch..., Tk, K, D]``,
+        ``[batch..., Tk, K, Dv]`` (arrays or tracers; only shapes and dtypes are read).
+      ops, settings, extras: the call (:mod:`jattn._call`).
+      platform: the lowering platform (:func:`lowering_platform`).
+      interpret: whether the adapter would run in interpret mode (:func:`_interpret`).
+    """
+    return kernels.KernelQuery(
+        platform=platform,
+        interpret=interpret,
+        q_shape=tuple(query.shape),
+        kv_shape=tuple(key.shape),
+        v_head_dim=value.shape[-1],
+        dtype=query.dtype,
+        is_causal=settings.is_causal,
+        window=settings.window,
+        has_mask=ops.mask is not None,
+        has_bias=ops.bias is not None,
+        has_lengths=ops.q_lengths is not None or ops.kv_lengths is not None,
+        has_segments=ops.q_segments is not None,
+        separate_kv_segments=ops.kv_segments is not ops.q_segments,
+        dropout=ops.dropout_rng is not None,
+        return_weights=extras.return_weights or extras.module is not None,
+        return_residual=settings.return_residual,
+        score_mod=settings.score_mod,
+        mask_mod=settings.mask_mod,
+        sinks=ops.sinks is not None,
+        block_mask=ops.block_mask is not None,
+        traced_scale=isinstance(ops.scale, jax.core.Tracer),
+        default_precision=_default_precision(settings.precision),
+        needs_dense=extras.needed(),
+    )
+
+
 # The kernels that soft-cap the logits natively (splash's attn_logits_soft_cap): they take
 # a bare jattn.mods.softcap score_mod; every kernel refuses any other modifier.
 NATIVE_SOFTCAP = ("splash",)
 
 
-def _kernel_softcap(name: str, settings: Settings) -> float | None:
-    """The cap of a bare ``mods.softcap`` score_mod, for the kernel that soft-caps natively."""
-    return mods.native_softcap(settings.score_mod) if name in NATIVE_SOFTCAP else None
+def _modifiers_given(q: kernels.KernelQuery) -> str:
+    """The FlexAttention-style options of the call, named for a refusal ('' if none)."""
+    given = [
+        name
+        for name, present in (
+            ("score_mod", q.score_mod is not None),
+            ("mask_mod", q.mask_mod is not None and not q.block_mask),
+            ("sinks", q.sinks),
+            ("block_mask", q.block_mask),
+        )
+        if present
+    ]
+    return ", ".join(given)
 
 
-def _kernel_modifiers(name: str, ops: Operands, settings: Settings) -> str | None:
+def _kernel_modifiers(name: str, q: kernels.KernelQuery) -> str | None:
     """Why the kernel cannot take the call's modifiers (None: it can)."""
-    given = _modifiers_given(ops, settings)
-    if _kernel_softcap(name, settings) is not None:
+    given = _modifiers_given(q)
+    if name in NATIVE_SOFTCAP and mods.native_softcap(q.score_mod) is not None:
         given = ", ".join(g for g in given.split(", ") if g != "score_mod")
     if not given:
         return None
@@ -163,35 +211,21 @@ def _kernel_modifiers(name: str, ops: Operands, settings: Settings) -> str | Non
 def _kernel_obstacle(name: str):
     def obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
         module = kernels.adapter(name)
-        modifiers = _kernel_modifiers(name, ops, settings)
-        if modifiers is not None:
-            return modifiers
-        reason = module.obstacle(
-            backend=jax.default_backend(),
-            interpret=_interpret(module),
-            q_shape=query.shape,
-            kv_shape=key.shape,
-            dtype=query.dtype,
-            is_causal=settings.is_causal,
-            window=settings.window,
-            has_mask=ops.mask is not None,
-            has_bias=ops.bias is not None,
-            has_lengths=ops.q_lengths is not None or ops.kv_lengths is not None,
-            has_segments=ops.q_segments is not None,
-            separate_kv_segments=ops.kv_segments is not ops.q_segments,
-            dropout=ops.dropout_rng is not None,
-            return_weights=extras.return_weights or extras.module is not None,
-            softcap=_kernel_softcap(name, settings),
-            v_head_dim=value.shape[-1],
-            traced_scale=isinstance(ops.scale, jax.core.Tracer),
-        )
+        platform = lowering_platform(jax.default_backend())
+        q = kernel_query(
+            query, key, value, ops, settings, extras, platform=platform,
+            interpret=_interpret(module, platform),
+        )  # fmt: skip
+        reason = _kernel_modifiers(name, q)
         if reason is None:
-            reason = extras.needed()  # flax's einsum hooks
+            reason = module.obstacle(q)
+        if reason is None:
+            reason = q.needs_dense  # flax's einsum hooks
         if reason is None:
             reason = _custom_vjp_obstacle(query, key, value)  # every kernel has a custom VJP
-        if reason is None and settings.return_residual and not module.RETURNS_LSE:
+        if reason is None and q.return_residual and not module.RETURNS_LSE:
             reason = f"return_residual=True ({name} does not return its log-sum-exp)"
-        if reason is None and not _default_precision(settings.precision):
+        if reason is None and not q.default_precision:
             reason = f"precision={settings.precision!r} (the kernel picks its own matmul precision)"
         return reason
 
@@ -201,28 +235,16 @@ def _kernel_obstacle(name: str):
 def _kernel_run(name: str):
     def run(query, key, value, ops: Operands, settings: Settings, extras):
         module = kernels.adapter(name)
-        interpret = _interpret(module)
+        interpret = _interpret(module, lowering_platform(jax.default_backend()))
 
         def attend(q, k, v):
-            return module.attention(
-                q,
-                k,
-                v,
-                scale=ops.scale,
-                is_causal=settings.is_causal,
-                window=settings.window,
-                q_lengths=ops.q_lengths,
-                kv_lengths=ops.kv_lengths,
-                q_segments=ops.q_segments,
-                kv_segments=ops.kv_segments,
-                softcap=_kernel_softcap(name, settings),
-                interpret=interpret,
-            )
+            return module.attention(q, k, v, ops, settings, interpret=interpret)
 
         out, lse = attend(query, key, value)
         if not settings.return_residual:
             return out, None, None
-        lse = _lse_with_gradient(attend, query, key, lse, ops.scale)
+        if not module.LSE_HAS_GRADIENT:
+            lse = _lse_with_gradient(attend, query, key, lse, ops.scale)
         return out, None, jnp.swapaxes(lse, -1, -2)  # [batch..., H, Tq] -> [batch..., Tq, H]
 
     return run
@@ -254,7 +276,9 @@ ROUTES: dict[str, Route] = {
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
     **{name: Route(_kernel_obstacle(name), _kernel_run(name)) for name in kernels.KERNELS},
 }
-ALIASES = {"xla": "dense"}  # jax.nn's names
+ALIASES = _util.ALIASES  # jax.nn's names
+# Every implementation name is routed (the one list: jattn._util.IMPLEMENTATIONS).
+assert set(ROUTES) | set(ALIASES) == set(_util.IMPLEMENTATIONS), "a name without a route"
 
 
 # ----------------------------------------------------------------------------------------

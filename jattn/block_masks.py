@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn import _checks, mods
+from jattn._util import expand_rank, round_up, tile_cap
 
 __all__ = ["DEFAULT_BLOCK", "EMPTY", "FULL", "PARTIAL", "BlockMask", "block_mask"]
 
@@ -56,6 +57,31 @@ class BlockMask:
     kv_len: int
     block_q: int
     block_k: int
+
+    def __post_init__(self):
+        # Checked where it is built (the builder, or a user): every consumer trusts it. A
+        # pytree round trip (_unflatten) rebuilds it unchecked, with any leaves.
+        for name in ("q_len", "kv_len", "block_q", "block_k"):
+            _checks.size(getattr(self, name), f"BlockMask {name}")
+        if not callable(self.mask_mod):
+            raise TypeError(
+                f"BlockMask mask_mod must be the mask_mod it was built from, got "
+                f"{type(self.mask_mod).__name__}."
+            )
+        state = self.state
+        tiles = (round_up(self.q_len, self.block_q) // self.block_q,
+                 round_up(self.kv_len, self.block_k) // self.block_k)  # fmt: skip
+        if getattr(state, "ndim", None) != 4 or tuple(state.shape[2:]) != tiles:
+            raise ValueError(
+                f"BlockMask state must be [B|1, H|1, {tiles[0]}, {tiles[1]}] (one state per "
+                f"[{self.block_q}, {self.block_k}] tile of q_len={self.q_len}, "
+                f"kv_len={self.kv_len}), got shape {tuple(getattr(state, 'shape', ()))}. Build "
+                "one with jattn.block_mask."
+            )
+        if jnp.dtype(state.dtype) != jnp.int8:
+            raise TypeError(
+                f"BlockMask state must be int8 (EMPTY/PARTIAL/FULL), got {state.dtype}."
+            )
 
     @property
     def num_blocks(self) -> tuple[int, int]:
@@ -103,7 +129,13 @@ def _unflatten(aux, children):
     q_len, kv_len, block_q, block_k, static_mod = aux
     state, dynamic_mod = children
     mask_mod = static_mod if static_mod is not None else dynamic_mod
-    return BlockMask(state, mask_mod, q_len, kv_len, block_q, block_k)
+    # Unchecked: jax rebuilds pytrees with placeholder leaves (None, tracers, shapes).
+    bm = object.__new__(BlockMask)
+    fields = dict(state=state, mask_mod=mask_mod, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                  block_k=block_k)  # fmt: skip
+    for name, value in fields.items():
+        object.__setattr__(bm, name, value)
+    return bm
 
 
 jax.tree_util.register_pytree_node(BlockMask, _flatten, _unflatten)
@@ -111,8 +143,7 @@ jax.tree_util.register_pytree_node(BlockMask, _flatten, _unflatten)
 
 def _tile(length: int, block: int | None, name: str) -> int:
     """The tile length: ``block``, capped at ``length`` rounded up to 8 (one short tile)."""
-    block = DEFAULT_BLOCK if block is None else _checks.size(block, name)
-    return min(block, -(-length // 8) * 8)
+    return tile_cap(length, DEFAULT_BLOCK if block is None else _checks.size(block, name))
 
 
 def _varies(mask_mod, axis: int, q_len: int, kv_len: int) -> bool:
@@ -134,7 +165,7 @@ def _varies(mask_mod, axis: int, q_len: int, kv_len: int) -> bool:
 def _states(mask_mod, n: int, heads: int, q_len, kv_len, bq, bk) -> Array:
     """int8 ``[n, heads, nq, nk]``: one row of query tiles at a time (memory
     ``n * heads * bq * kv_len`` booleans per step)."""
-    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    nq, nk = round_up(q_len, bq) // bq, round_up(kv_len, bk) // bk
     kv_pos = jnp.arange(nk * bk, dtype=jnp.int32)
     kv_valid = kv_pos < kv_len
     # Positions past the end are clamped (a mask_mod may index arrays with them); those
@@ -146,9 +177,7 @@ def _states(mask_mod, n: int, heads: int, q_len, kv_len, bq, bk) -> Array:
         q_pos = i * bq + jnp.arange(bq, dtype=jnp.int32)
         q = jnp.minimum(q_pos, q_len - 1).reshape(1, 1, bq, 1)
         mask = jnp.asarray(mask_mod(b, h, q, kv))
-        mask = jnp.broadcast_to(
-            mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (n, heads, bq, nk * bk)
-        )
+        mask = jnp.broadcast_to(expand_rank(mask, 4), (n, heads, bq, nk * bk))
         valid = ((q_pos < q_len)[:, None] & kv_valid[None, :])[None, None]  # [1, 1, bq, Tk_pad]
         # [n, heads, bq, nk, bk] reduced over the tile's rows and keys -> [n, heads, nk]
         shown = (mask & valid).reshape(n, heads, bq, nk, bk).any(axis=(2, 4))

@@ -16,25 +16,16 @@ import jax.numpy as jnp
 from jattn import _prng, mods
 from jattn import masks as masks_lib
 from jattn._call import DenseExtras, Operands, Settings
+from jattn._util import expand_rank, softmax_dtype
 
 Array = jax.Array
 NO_EXTRAS = DenseExtras()
-
-
-def softmax_dtype(dtype):
-    """Softmax runs in at least float32, whatever the input dtype (float64 stays float64)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def logits_shape(query: Array, key: Array) -> tuple[int, ...]:
     """``[batch..., num_heads, q_len, kv_len]`` of ``query [batch..., Tq, H, D]``."""
     *batch, q_len, num_heads, _ = query.shape
     return (*batch, num_heads, q_len, key.shape[-3])
-
-
-def expand_rank(x: Array, ndim: int) -> Array:
-    """Leading singleton axes up to rank ``ndim`` (explicit, for rank promotion 'raise')."""
-    return x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
 def combined_mask(ops: Operands, settings: Settings, shape: tuple[int, ...]) -> Array | None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, _prng, _routing, dense
+from jattn import _checks, _prng, _routing, _util, dense
 from jattn._call import DenseExtras, Operands, Settings
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
 
 Array = jax.Array
 BroadcastDropout = bool | Literal["batch", "heads"]
-Implementation = Literal["dense", "xla", "blockwise", "cudnn", "pallas_triton", "splash"]
+Implementation = _util.Implementation  # the one list of names
 
 
 def _dropout_active(rate, deterministic: bool) -> bool:

@@ -75,6 +75,7 @@ import numpy as np
 
 from jattn import _checks, functional
 from jattn import masks as masks_lib
+from jattn._util import softmax_dtype
 
 __all__ = [
     "KVCache",
@@ -453,7 +454,7 @@ def _check_modifiers(score_mod, mask_mod, query: Array, kv_len: int) -> None:
     """
     *batch, q_len, num_heads, _ = query.shape
     shape = (*batch, num_heads, q_len, kv_len)
-    _checks.score_mod(score_mod, shape, jnp.promote_types(query.dtype, jnp.float32))
+    _checks.score_mod(score_mod, shape, softmax_dtype(query.dtype))
     _checks.mask_mod(mask_mod, shape)
     for fn in (score_mod, mask_mod):
         _checks.modifier_sizes(fn, math.prod(batch), num_heads, None, None)

@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn import _checks, blockwise
+from jattn._util import softmax_dtype
 
 __all__ = ["ring_attention", "ring_attention_shard"]
 
@@ -60,10 +61,6 @@ class _Ring:
     causal: bool
     diagonal: blockwise.Config  # a device's own key/value block (causal mask if causal)
     off_diagonal: blockwise.Config  # any other block that is computed: no mask at all
-
-
-def _f32(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _shift(tree, ring: _Ring):
@@ -101,7 +98,7 @@ def _ring_forward(ring: _Ring, q, k, v):
     """``(out, lse)`` of the local queries over all keys: out in q's dtype, lse float32."""
     # Step 0: the device's own block, always visible (the diagonal under a causal mask).
     out, lse = blockwise.forward(ring.diagonal, q, k, v, _NO_AUX)
-    out = out.astype(_f32(q.dtype))
+    out = out.astype(softmax_dtype(q.dtype))
 
     def step(s, carry):
         k_s, v_s, out, lse = _shift(carry[:2], ring) + carry[2:]
@@ -121,7 +118,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, d_out):
     """``(dq, dk, dv)`` of the local blocks: a second trip around the ring."""
     # Own block first; the dk, dv accumulators then travel with their key/value block.
     dq, dk, dv = blockwise.backward(ring.diagonal, q, k, v, _NO_AUX, out, lse, d_out)
-    f32 = _f32(q.dtype)
+    f32 = softmax_dtype(q.dtype)
     dq, dk, dv = dq.astype(f32), dk.astype(f32), dv.astype(f32)
 
     def step(s, carry):

@@ -19,6 +19,8 @@ from reference import np_attention
 
 import jattn
 from jattn import _prng, blockwise
+from jattn._call import Operands, Settings
+from jattn.blockwise._schedule import causal_fast
 
 OUT_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -201,22 +203,16 @@ def test_low_precision_inputs(dtype):
 # ---------------------------------------------------------------------------------------
 
 
-def _dropped_weights_via_blockwise(q, k, rng, rate, block, **kw):
+def _dropped_weights_via_blockwise(
+    q, k, rng, rate, block, is_causal=False, dropout_shared=(False, False)
+):
     """The dropped weights, read off a blockwise call whose values are one-hot keys."""
     *batch, kv_len, kv_heads, _ = k.shape
     # [batch..., S, K, S]: value row s is the unit vector e_s, so out[..., t, h, s] = w[h, t, s]
     eye = jnp.broadcast_to(jnp.eye(kv_len)[:, None, :], (*batch, kv_len, kv_heads, kv_len))
-    out = blockwise.blockwise_attention(
-        q,
-        k,
-        eye,
-        scale=1 / math.sqrt(q.shape[-1]),
-        dropout_rate=rate,
-        dropout_rng=rng,
-        block_q=block,
-        block_k=block,
-        **kw,
-    )
+    settings = Settings(is_causal=is_causal, dropout_shared=dropout_shared)
+    ops = Operands(scale=1 / math.sqrt(q.shape[-1]), dropout_rate=rate, dropout_rng=rng)
+    out, _ = blockwise.attention(q, k, eye, ops, settings, block_q=block, block_k=block)
     return jnp.moveaxis(out, -2, -3)  # [batch..., H, T, S]
 
 
@@ -427,9 +423,9 @@ def test_causal_fast_path_equals_dense_under_each_tile_rule(kind, dropout, monke
     cfg = blockwise.make_config(
         q_len=1000, kv_len=1000, num_heads=4, kv_heads=2, batch_size=1, scale=1.0, is_causal=True
     )
-    assert blockwise._causal_fast(cfg, blockwise.Aux(), cfg.block_q, cfg.block_k)
+    assert causal_fast(cfg, blockwise.Aux(), cfg.block_q, cfg.block_k)
     back = cfg.backward_tiles()
-    assert blockwise._causal_fast(back, blockwise.Aux(), back.block_k, back.block_q)
+    assert causal_fast(back, blockwise.Aux(), back.block_k, back.block_q)
     kw = dict(is_causal=True, return_residual=True)
     if dropout:
         kw.update(dropout_rate=0.25, dropout_rng=jax.random.key(3))
@@ -453,8 +449,8 @@ def test_causal_fast_path_equals_dense_under_each_tile_rule(kind, dropout, monke
 @pytest.mark.parametrize("length", [1, 7, 100, 300, 512, 513, 600, 1000, 1030, 2048, 5000])
 def test_tile_rule_tiles_divide_and_pad_little(kind, length, monkeypatch):
     monkeypatch.setenv("JATTN_CPU_KIND", kind)
-    assert jattn._tiles.cpu_kind() == kind
-    tiles = jattn._tiles.default_tiles(length, length)
+    assert blockwise.cpu_kind() == kind
+    tiles = blockwise.default_tiles(length, length)
     for padded, fwd, bwd in (
         (tiles.padded_q, tiles.fwd_q, tiles.bwd_q),
         (tiles.padded_kv, tiles.fwd_k, tiles.bwd_k),

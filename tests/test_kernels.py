@@ -22,13 +22,31 @@ import pytest
 from reference import np_attention
 
 import jattn
-from jattn import kernels
+from jattn import _routing, kernels
+from jattn._call import Operands, Settings
 from jattn.kernels import _common
 from jattn.kernels import cudnn as cudnn_adapter
 from jattn.kernels import pallas_triton as triton_adapter
 from jattn.kernels import splash as splash_adapter
 
-BACKEND = jax.default_backend()
+BACKEND = _routing.lowering_platform(jax.default_backend())  # 'cpu', 'cuda', 'rocm', 'tpu'
+
+
+def query_of(*, softcap=None, v_head_dim=None, **fields) -> kernels.KernelQuery:
+    """A :class:`jattn.kernels.KernelQuery` of ``fields`` (the rest absent or off);
+    ``softcap=`` stands for a bare ``jattn.mods.softcap`` score_mod, and ``v_head_dim``
+    defaults to the query's head size."""
+    defaults = dict(
+        has_mask=False, has_bias=False, has_lengths=False, has_segments=False,
+        separate_kv_segments=False, dropout=False, return_weights=False,
+        return_residual=False, score_mod=None if softcap is None else jattn.mods.softcap(softcap),
+        mask_mod=None, sinks=False, block_mask=False, traced_scale=False,
+        default_precision=True, needs_dense=None, window=None, is_causal=False,
+    )  # fmt: skip
+    fields = {**defaults, **fields}
+    fields["v_head_dim"] = fields["q_shape"][-1] if v_head_dim is None else v_head_dim
+    return kernels.KernelQuery(**fields)
+
 
 # ----------------------------------------------------------------------------------------
 # The float64 references
@@ -200,21 +218,23 @@ def lengths(case: Case, which: str):
 
 def obstacle_of(module, case: Case, *, interpret: bool) -> str | None:
     return module.obstacle(
-        backend=BACKEND,
-        interpret=interpret,
-        q_shape=(*case.batch, case.tq, case.h, case.d),
-        kv_shape=(*case.batch, case.tk, case.kh, case.d),
-        dtype=jnp.dtype(case.dtype),
-        is_causal=case.causal,
-        window=case.window,
-        has_mask=False,
-        has_bias=False,
-        has_lengths=case.q_lengths is not None or case.kv_lengths is not None,
-        has_segments=case.segments is not None,
-        dropout=False,
-        return_weights=False,
-        softcap=case.softcap,
-        separate_kv_segments=case.segments == "cross",
+        query_of(
+            platform=BACKEND,
+            interpret=interpret,
+            q_shape=(*case.batch, case.tq, case.h, case.d),
+            kv_shape=(*case.batch, case.tk, case.kh, case.d),
+            dtype=jnp.dtype(case.dtype),
+            is_causal=case.causal,
+            window=case.window,
+            has_mask=False,
+            has_bias=False,
+            has_lengths=case.q_lengths is not None or case.kv_lengths is not None,
+            has_segments=case.segments is not None,
+            dropout=False,
+            return_weights=False,
+            softcap=case.softcap,
+            separate_kv_segments=case.segments == "cross",
+        )
     )
 
 
@@ -223,20 +243,16 @@ def run_adapter(module, case: Case, *, interpret: bool):
     q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
 
     def f(q, k, v):
-        return module.attention(
-            q,
-            k,
-            v,
+        ops = Operands(
             scale=case.d**-0.5,
-            is_causal=case.causal,
-            window=case.window,
             q_lengths=lengths(case, "q_lengths"),
             kv_lengths=lengths(case, "kv_lengths"),
             q_segments=None if q_ids is None else jnp.asarray(q_ids),
             kv_segments=None if kv_ids is None else jnp.asarray(kv_ids),
-            softcap=case.softcap,
-            interpret=interpret,
         )
+        score_mod = None if case.softcap is None else jattn.mods.softcap(case.softcap)
+        settings = Settings(is_causal=case.causal, window=case.window, score_mod=score_mod)
+        return module.attention(q, k, v, ops, settings, interpret=interpret)
 
     @jax.jit
     def forward_and_vjp(q, k, v, d_out):
@@ -475,7 +491,7 @@ def test_cudnn_adapter_mapping_with_xla_standing_in(case, monkeypatch):
 # ----------------------------------------------------------------------------------------
 
 BASE = dict(
-    backend="cpu",
+    platform="cpu",
     interpret=True,
     q_shape=(2, 64, 4, 32),
     kv_shape=(2, 64, 2, 32),
@@ -510,7 +526,7 @@ TRITON_REFUSALS = [
     (dict(traced_scale=True), "traced scale"),
     (dict(dtype=jnp.dtype(jnp.float16), has_lengths=True), "lengths in float16"),
     (
-        dict(backend="gpu", interpret=False, q_shape=(2, 64, 4, 8), kv_shape=(2, 64, 2, 8)),
+        dict(platform="cuda", interpret=False, q_shape=(2, 64, 4, 8), kv_shape=(2, 64, 2, 8)),
         "head_dim 8",
     ),
 ]
@@ -524,29 +540,37 @@ SPLASH_REFUSALS = [
 
 @pytest.mark.parametrize(("change", "expected"), TRITON_REFUSALS)
 def test_pallas_triton_refusals(change, expected):
-    reason = triton_adapter.obstacle(**{**BASE, **change})
+    reason = triton_adapter.obstacle(query_of(**{**BASE, **change}))
     assert reason is not None and expected in reason, reason
 
 
 @pytest.mark.parametrize(("change", "expected"), SPLASH_REFUSALS)
 def test_splash_refusals(change, expected):
-    reason = splash_adapter.obstacle(**{**BASE, **change})
+    reason = splash_adapter.obstacle(query_of(**{**BASE, **change}))
     assert reason is not None and expected in reason, reason
 
 
 def test_pallas_adapters_accept_what_they_take():
     """The options each Pallas adapter takes leave obstacle() at None."""
-    assert triton_adapter.obstacle(**{**BASE, "has_lengths": True, "has_segments": True}) is None
-    assert triton_adapter.obstacle(**{**BASE, "backend": "gpu", "interpret": False}) is None
+    assert (
+        triton_adapter.obstacle(query_of(**{**BASE, "has_lengths": True, "has_segments": True}))
+        is None
+    )
+    assert (
+        triton_adapter.obstacle(query_of(**{**BASE, "platform": "cuda", "interpret": False}))
+        is None
+    )
     splash_all = dict(window=(8, None), has_lengths=True, has_segments=True, softcap=30.0)
     splash_all.update(kv_shape=(2, 96, 1, 32), separate_kv_segments=True, v_head_dim=16)
     splash_all.update(dtype=jnp.dtype(jnp.bfloat16), traced_scale=True)
-    assert splash_adapter.obstacle(**{**BASE, **splash_all}) is None
-    assert splash_adapter.obstacle(**{**BASE, "backend": "tpu", "interpret": False}) is None
+    assert splash_adapter.obstacle(query_of(**{**BASE, **splash_all})) is None
+    assert (
+        splash_adapter.obstacle(query_of(**{**BASE, "platform": "tpu", "interpret": False})) is None
+    )
 
 
 def test_cudnn_refuses_off_gpu(hopper):
-    reason = cudnn_adapter.obstacle(**{**BASE, "backend": "cpu", "dtype": jnp.dtype(jnp.bfloat16)})
+    reason = cudnn_adapter.obstacle(query_of(**{**BASE, "dtype": jnp.dtype(jnp.bfloat16)}))
     assert reason is not None and "NVIDIA GPU" in reason
 
 
@@ -572,23 +596,23 @@ def hopper(monkeypatch):
 
 @pytest.mark.parametrize(("change", "expected"), CUDNN_REFUSALS)
 def test_cudnn_refusals(change, expected, hopper):
-    base = {**BASE, "backend": "gpu", "dtype": jnp.dtype(jnp.bfloat16)}
-    assert cudnn_adapter.obstacle(**base) is None
-    reason = cudnn_adapter.obstacle(**{**base, **change})
+    base = {**BASE, "platform": "cuda", "dtype": jnp.dtype(jnp.bfloat16)}
+    assert cudnn_adapter.obstacle(query_of(**base)) is None
+    reason = cudnn_adapter.obstacle(query_of(**{**base, **change}))
     assert reason is not None and expected in reason, reason
 
 
 def test_cudnn_head_dim_limit_follows_the_gpu(monkeypatch):
-    base = {**BASE, "backend": "gpu", "dtype": jnp.dtype(jnp.bfloat16)}
+    base = {**BASE, "platform": "cuda", "dtype": jnp.dtype(jnp.bfloat16)}
     base.update(q_shape=(2, 64, 4, 256), kv_shape=(2, 64, 2, 256))
     monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (9, 0))
-    assert cudnn_adapter.obstacle(**base) is None
+    assert cudnn_adapter.obstacle(query_of(**base)) is None
     monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (8, 0))
-    assert "up to 128" in cudnn_adapter.obstacle(**base)
+    assert "up to 128" in cudnn_adapter.obstacle(query_of(**base))
     monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: (7, 5))
-    assert "compute capability >= 8.0" in cudnn_adapter.obstacle(**base)
+    assert "compute capability >= 8.0" in cudnn_adapter.obstacle(query_of(**base))
     monkeypatch.setattr(cudnn_adapter, "compute_capability", lambda: None)
-    assert "NVIDIA GPU" in cudnn_adapter.obstacle(**base)
+    assert "NVIDIA GPU" in cudnn_adapter.obstacle(query_of(**base))
 
 
 # ----------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from jax.test_util import check_grads
 from reference import np_flex_attention, np_t5_bucket
 
 import jattn
-from jattn import _closure, mods
+from jattn import mods
+from jattn.blockwise import _closure
 
 dpa = jattn.dot_product_attention
 

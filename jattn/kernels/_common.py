@@ -9,25 +9,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn import masks
+from jattn.kernels._contract import KernelQuery
 
 Array = jax.Array
 
 
-def common_obstacle(
-    *,
-    has_mask: bool,
-    has_bias: bool,
-    dropout: bool,
-    return_weights: bool,
-    dtype,
-    dtypes: tuple[str, ...],
-    kernel: str,
-) -> str | None:
+def common_obstacle(query: KernelQuery, *, dtypes: tuple[str, ...], kernel: str) -> str | None:
     """The options no fused kernel behind jattn takes, and the dtypes ``kernel`` computes in.
 
     Args:
-      has_mask, has_bias, dropout, return_weights: the call's flags.
-      dtype: the computation dtype of q, k and v.
+      query: the call (:class:`jattn.kernels.KernelQuery`).
       dtypes: the dtype names the kernel accepts (e.g. ``("bfloat16", "float32")``).
       kernel: the kernel's name, for the message.
 
@@ -35,15 +26,15 @@ def common_obstacle(
       None, or the first option the kernel lacks, phrased to follow "cannot honour this
       call: ".
     """
-    if return_weights:
+    if query.return_weights:
         return "return_weights=True and module= need the full [q_len, kv_len] weight matrix"
-    if has_mask:
+    if query.has_mask:
         return "a mask array (only causal, window, lengths and segment ids are built in)"
-    if has_bias:
+    if query.has_bias:
         return "a bias array"
-    if dropout:
+    if query.dropout:
         return "dropout (jattn's explicit-key dropout lives in its own paths)"
-    name = jnp.dtype(dtype).name
+    name = jnp.dtype(query.dtype).name
     if name not in dtypes:
         return f"dtype {name} ({kernel} computes in {' or '.join(dtypes)})"
     return None
@@ -63,10 +54,6 @@ def unflatten_batch(x: Array, batch_shape: tuple[int, ...]) -> Array:
 def flat_or_none(x: Array | None, tail_ndim: int) -> Array | None:
     """:func:`flatten_batch` for an optional array, dropping the batch shape."""
     return None if x is None else flatten_batch(x, tail_ndim)[0]
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def pad_axis(x: Array, axis: int, length: int, value=0) -> Array:

@@ -32,14 +32,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn import mods
+from jattn._call import Operands, Settings
 from jattn.kernels import _common
+from jattn.kernels._contract import KernelQuery
 
-__all__ = ["RETURNS_LSE", "attention", "available", "compute_capability", "obstacle"]
+__all__ = [
+    "LSE_HAS_GRADIENT",
+    "NAME",
+    "RETURNS_LSE",
+    "attention",
+    "available",
+    "compute_capability",
+    "obstacle",
+]
 
 Array = jax.Array
 
 _DTYPES = ("bfloat16", "float16")
+NAME = "cudnn"
 RETURNS_LSE = False  # jax.nn rounds cuDNN's lse to the input dtype (module docstring)
+LSE_HAS_GRADIENT = False
 
 
 def compute_capability() -> tuple[int, int] | None:
@@ -55,80 +68,42 @@ def compute_capability() -> tuple[int, int] | None:
     return major, minor
 
 
-def available(backend: str) -> bool:
-    """True on an NVIDIA GPU of compute capability >= 8.0 (cuDNN flash attention's floor)."""
-    if backend != "gpu":
+def available(platform: str) -> bool:
+    """True on CUDA with an NVIDIA GPU of compute capability >= 8.0 (cuDNN flash attention's floor)."""
+    if platform != "cuda":
         return False
     capability = compute_capability()
     return capability is not None and capability >= (8, 0)
 
 
-def obstacle(
-    *,
-    backend: str,
-    interpret: bool,
-    q_shape: tuple[int, ...],
-    kv_shape: tuple[int, ...],
-    dtype,
-    is_causal: bool,
-    window: tuple[int, int | None] | None,
-    has_mask: bool,
-    has_bias: bool,
-    has_lengths: bool,
-    has_segments: bool,
-    dropout: bool,
-    return_weights: bool,
-    softcap: float | None,
-    separate_kv_segments: bool = False,
-    v_head_dim: int | None = None,
-    traced_scale: bool = False,
-) -> str | None:
-    """Why cuDNN cannot honour this call (None: it can). Static only; ``interpret`` is unused.
-
-    Extra flags beyond the shared interface: ``v_head_dim`` (value head size, when unlike
-    the query's) and ``traced_scale`` (scale is a tracer); ``separate_kv_segments`` is
-    accepted for a uniform call (segment ids are refused anyway).
-    """
-    del interpret, separate_kv_segments
-    if not available(backend):
-        return f"it needs an NVIDIA GPU of compute capability >= 8.0 (backend: {backend})"
-    reason = _common.common_obstacle(
-        has_mask=has_mask,
-        has_bias=has_bias,
-        dropout=dropout,
-        return_weights=return_weights,
-        dtype=dtype,
-        dtypes=_DTYPES,
-        kernel="cuDNN",
-    )
+def obstacle(query: KernelQuery) -> str | None:
+    """Why cuDNN cannot honour this call (None: it can). Static: ``query`` only."""
+    if not available(query.platform):
+        return f"it needs an NVIDIA GPU of compute capability >= 8.0 (platform: {query.platform})"
+    reason = _common.common_obstacle(query, dtypes=_DTYPES, kernel="cuDNN")
     if reason is not None:
         return reason
-    return _shape_obstacle(
-        q_shape, kv_shape, is_causal, window, has_lengths, has_segments, softcap,
-        v_head_dim, traced_scale,
-    )  # fmt: skip
+    return _shape_obstacle(query)
 
 
-def _shape_obstacle(
-    q_shape, kv_shape, is_causal, window, has_lengths, has_segments, softcap, v_head_dim,
-    traced_scale,
-) -> str | None:  # fmt: skip
-    q_len, kv_len, head_dim = q_shape[-3], kv_shape[-3], q_shape[-1]
+def _shape_obstacle(query: KernelQuery) -> str | None:
+    q_len, kv_len, head_dim = query.q_shape[-3], query.kv_shape[-3], query.q_shape[-1]
+    is_causal, window = query.is_causal, query.window
     max_dim = 256 if compute_capability() >= (9, 0) else 128
     if head_dim % 8 or head_dim > max_dim:
         return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {max_dim} on this GPU)"
-    if v_head_dim is not None and v_head_dim != head_dim:
-        return f"a value head size ({v_head_dim}) unlike the query's ({head_dim})"
-    if has_segments:
+    if query.v_head_dim != head_dim:
+        return f"a value head size ({query.v_head_dim}) unlike the query's ({head_dim})"
+    if query.has_segments:
         return "segment ids (cuDNN packs only contiguous segments)"
-    if softcap is not None:
+    if mods.native_softcap(query.score_mod) is not None:
         return "logit soft-capping"
-    if traced_scale:
+    if query.traced_scale:
         return "a traced scale (cuDNN compiles the scale in)"
     if (is_causal or window is not None) and q_len != kv_len:
         return f"is_causal or a window with q_len != kv_len ({q_len} vs {kv_len})"
     if window is not None:
-        if has_lengths:
+        if query.has_lengths:
             return "a window together with lengths (rows could be left with no key)"
         if not is_causal and window[1] != 0:
             return "a window reaching right of the query (cuDNN's window looks left only)"
@@ -136,54 +111,41 @@ def _shape_obstacle(
 
 
 def attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    scale: float,
-    is_causal: bool,
-    window: tuple[int, int | None] | None,
-    q_lengths: Array | None,
-    kv_lengths: Array | None,
-    q_segments: Array | None,
-    kv_segments: Array | None,
-    softcap: float | None,
-    interpret: bool,
+    q: Array, k: Array, v: Array, ops: Operands, settings: Settings, *, interpret: bool
 ) -> tuple[Array, None]:
     """cuDNN flash attention with jattn's semantics (mapping: module docstring).
 
     Args:
       q: ``[batch..., Tq, H, D]`` float16/bfloat16.
       k, v: ``[batch..., Tk, K, D]`` (``H % K == 0``).
-      scale: the logit multiplier (a Python float).
-      is_causal: query ``i`` sees keys ``j <= i``.
-      window: ``(left, right)`` or None (see module docstring).
-      q_lengths, kv_lengths: int ``[batch...]`` or None.
-      q_segments, kv_segments, softcap: must be None (refused by :func:`obstacle`).
-      interpret: unused (cuDNN has no interpret mode).
+      ops: the call's arrays: ``scale`` (a Python float) and the lengths are read (the
+        rest is refused by :func:`obstacle`).
+      settings: the call's options: ``is_causal`` and ``window`` are read.
+      interpret: unused (cuDNN has no interpret mode; part of the adapter contract).
 
     Returns:
       ``(out [batch..., Tq, H, D]`` in q's dtype, ``None)``.
     """
-    del q_segments, kv_segments, softcap, interpret
+    del interpret
     q3, batch_shape = _common.flatten_batch(q, 3)
     k3, _ = _common.flatten_batch(k, 3)
     v3, _ = _common.flatten_batch(v, 3)
     tq = q3.shape[1]
-    q_len = _common.flat_or_none(q_lengths, 0)
-    kv_len = _common.flat_or_none(kv_lengths, 0)
+    q_len = _common.flat_or_none(ops.q_lengths, 0)
+    kv_len = _common.flat_or_none(ops.kv_lengths, 0)
     valid = _common.lengths_valid(q_len, tq)
     if kv_len is not None:
         has_key = jnp.broadcast_to(kv_len[:, None] > 0, (kv_len.shape[0], tq))
         valid = has_key if valid is None else valid & has_key
         kv_len = jnp.maximum(kv_len, 1)
+    window = settings.window
     local = None if window is None else (int(window[0]), 0)
     out = jax.nn.dot_product_attention(
         q3,
         k3,
         v3,
-        scale=float(scale),
-        is_causal=is_causal,
+        scale=float(ops.scale),
+        is_causal=settings.is_causal,
         query_seq_lengths=None if q_len is None else q_len.astype(jnp.int32),
         key_value_seq_lengths=None if kv_len is None else kv_len.astype(jnp.int32),
         local_window_size=local,

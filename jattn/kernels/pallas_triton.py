@@ -44,14 +44,20 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from jattn import mods
+from jattn._call import Operands, Settings
+from jattn._util import round_up
 from jattn.kernels import _common
+from jattn.kernels._contract import KernelQuery
 
-__all__ = ["RETURNS_LSE", "attention", "available", "obstacle"]
+__all__ = ["LSE_HAS_GRADIENT", "NAME", "RETURNS_LSE", "attention", "available", "obstacle"]
 
 Array = jax.Array
 
 _DTYPES = ("bfloat16", "float16", "float32")
-RETURNS_LSE = True  # the kernel's own residual, in float32 (no gradient)
+NAME = "pallas_triton"
+RETURNS_LSE = True  # the kernel's own residual, in float32
+LSE_HAS_GRADIENT = False  # routing adds it (jattn._routing._lse_with_gradient)
 _HIDDEN = 1e30  # the logit magnitude of a key hidden by the lengths column
 
 
@@ -71,77 +77,45 @@ def _kernel_module():
     return module
 
 
-def available(backend: str) -> bool:
-    """True on GPU, where Pallas lowers the kernel through Triton (elsewhere: interpret mode)."""
-    return backend == "gpu"
+def available(platform: str) -> bool:
+    """True on a GPU (CUDA or ROCm), where Pallas lowers the kernel through Triton
+    (elsewhere: interpret mode)."""
+    return platform in ("cuda", "rocm")
 
 
-def obstacle(
-    *,
-    backend: str,
-    interpret: bool,
-    q_shape: tuple[int, ...],
-    kv_shape: tuple[int, ...],
-    dtype,
-    is_causal: bool,
-    window: tuple[int, int | None] | None,
-    has_mask: bool,
-    has_bias: bool,
-    has_lengths: bool,
-    has_segments: bool,
-    dropout: bool,
-    return_weights: bool,
-    softcap: float | None,
-    separate_kv_segments: bool = False,
-    v_head_dim: int | None = None,
-    traced_scale: bool = False,
-) -> str | None:
-    """Why the Pallas Triton kernel cannot honour this call (None: it can). Static only.
-
-    Extra flags beyond the shared interface (all default to the harmless value):
-    ``separate_kv_segments`` (``key_value_segment_ids`` given on its own), ``v_head_dim``
-    (value head size, when unlike the query's) and ``traced_scale`` (scale is a tracer).
-    """
-    del is_causal, has_segments
-    if backend != "gpu" and not interpret:
+def obstacle(query: KernelQuery) -> str | None:
+    """Why the Pallas Triton kernel cannot honour this call (None: it can). Static only."""
+    if not available(query.platform) and not query.interpret:
         return (
-            f"it runs on GPU only, not on {backend} (set JATTN_PALLAS_INTERPRET=1 to run it "
-            "in interpret mode, slowly, for tests)"
+            f"it runs on GPU only, not on {query.platform} (set JATTN_PALLAS_INTERPRET=1 to "
+            "run it in interpret mode, slowly, for tests)"
         )
-    reason = _common.common_obstacle(
-        has_mask=has_mask,
-        has_bias=has_bias,
-        dropout=dropout,
-        return_weights=return_weights,
-        dtype=dtype,
-        dtypes=_DTYPES,
-        kernel="the Pallas Triton kernel",
-    )
+    reason = _common.common_obstacle(query, dtypes=_DTYPES, kernel="the Pallas Triton kernel")
     if reason is not None:
         return reason
-    q_len, head_dim = q_shape[-3], q_shape[-1]
-    if q_len != kv_shape[-3]:
-        return f"q_len != kv_len ({q_len} vs {kv_shape[-3]}; it is a self-attention kernel)"
-    if window is not None:
+    q_len, kv_len, head_dim = query.q_shape[-3], query.kv_shape[-3], query.q_shape[-1]
+    if q_len != kv_len:
+        return f"q_len != kv_len ({q_len} vs {kv_len}; it is a self-attention kernel)"
+    if query.window is not None:
         return "local_window_size (the kernel has causal masks only)"
-    if softcap is not None:
+    if mods.native_softcap(query.score_mod) is not None:
         return "logit soft-capping"
-    if separate_kv_segments:
+    if query.separate_kv_segments:
         return "separate key_value_segment_ids (one segment array serves queries and keys)"
-    if v_head_dim is not None and v_head_dim != head_dim:
-        return f"a value head size ({v_head_dim}) unlike the query's ({head_dim})"
-    if traced_scale:
+    if query.v_head_dim != head_dim:
+        return f"a value head size ({query.v_head_dim}) unlike the query's ({head_dim})"
+    if query.traced_scale:
         return "a traced scale (the kernel compiles the scale in)"
-    if has_lengths and jnp.dtype(dtype) == jnp.float16:
+    if query.has_lengths and jnp.dtype(query.dtype) == jnp.float16:
         return "lengths in float16 (the key-padding column needs a bias float16 cannot hold)"
-    if not interpret and not 16 <= head_dim <= 256:
+    if not query.interpret and not 16 <= head_dim <= 256:
         return f"head_dim {head_dim} (Triton's tiles need 16 <= head_dim <= 256)"
     return None
 
 
 def _padded_len(t: int) -> int:
     # Triton tiles are powers of two, at least 16; longer sequences pad to the 128 block.
-    return max(16, 1 << (t - 1).bit_length()) if t <= 128 else _common.round_up(t, 128)
+    return max(16, 1 << (t - 1).bit_length()) if t <= 128 else round_up(t, 128)
 
 
 def _forward_tile(head_dim: int, dtype) -> int:
@@ -159,26 +133,28 @@ def _forward_tile(head_dim: int, dtype) -> int:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _mha_with_lse(q, k, v, segment_ids, settings):
-    """``mha`` returning ``(out, lse2)`` and still differentiable in ``out`` (lse2: no gradient)."""
-    return _mha_fwd(q, k, v, segment_ids, settings)[0]
+def _mha_with_lse(q, k, v, segment_ids, static):
+    """``mha`` returning ``(out, lse2)`` and still differentiable in ``out`` (lse2: no gradient).
+
+    ``static``: ``(sm_scale, causal, block_sizes, interpret)``."""
+    return _mha_fwd(q, k, v, segment_ids, static)[0]
 
 
-def _mha_args(settings):
+def _mha_args(static):
     # mha's static arguments after (q, k, v, segment_ids), in its own order.
-    sm_scale, causal, block_sizes, interpret = settings
+    sm_scale, causal, block_sizes, interpret = static
     return (sm_scale, causal, block_sizes, "triton", None, 2, None, interpret, False)
 
 
-def _mha_fwd(q, k, v, segment_ids, settings):
+def _mha_fwd(q, k, v, segment_ids, static):
     mha = _kernel_module().mha
-    return mha.fwd(q, k, v, segment_ids, *_mha_args(settings), True)
+    return mha.fwd(q, k, v, segment_ids, *_mha_args(static), True)
 
 
-def _mha_bwd(settings, residuals, cotangents):
+def _mha_bwd(static, residuals, cotangents):
     d_out, _ = cotangents  # the lse carries no gradient
     mha = _kernel_module().mha
-    dq, dk, dv, _ = mha.bwd(*_mha_args(settings), False, residuals, d_out)
+    dq, dk, dv, _ = mha.bwd(*_mha_args(static), False, residuals, d_out)
     return dq, dk, dv, None
 
 
@@ -215,36 +191,24 @@ def _kernel_segments(segments, batch: int, t: int, t_pad: int, is_causal: bool):
 
 
 def attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    scale: float,
-    is_causal: bool,
-    window: tuple[int, int | None] | None,
-    q_lengths: Array | None,
-    kv_lengths: Array | None,
-    q_segments: Array | None,
-    kv_segments: Array | None,
-    softcap: float | None,
-    interpret: bool,
+    q: Array, k: Array, v: Array, ops: Operands, settings: Settings, *, interpret: bool
 ) -> tuple[Array, Array]:
     """Pallas Triton flash attention with jattn's semantics (mapping: module docstring).
 
     Args:
       q, k, v: ``[batch..., T, H, D]``, ``[batch..., T, K, D]`` (``H % K == 0``).
-      scale: the logit multiplier (a Python float).
-      is_causal: query ``i`` sees keys ``j <= i``.
-      window, softcap: must be None (refused by :func:`obstacle`).
-      q_lengths, kv_lengths: int ``[batch...]`` or None.
-      q_segments: int ``[batch..., T]`` or None; ``kv_segments`` must be None or the same ids.
+      ops: the call's arrays: ``scale`` (a Python float), the lengths and the query
+        segment ids ``[batch..., T]`` are read (key ids are the query ids: separate ones
+        are refused by :func:`obstacle`, as are the other arrays).
+      settings: the call's options: ``is_causal`` is read (windows and soft-capping are
+        refused).
       interpret: run the Pallas kernel in interpret mode (any backend, slow).
 
     Returns:
       ``(out [batch..., T, H, D]`` in q's dtype, ``lse [batch..., H, T]`` float32,
       :func:`jattn.large_negative` on rows that attend nothing, without gradient).
     """
-    del window, softcap, kv_segments  # refused by obstacle(); kv ids are the query ids
+    scale, is_causal = ops.scale, settings.is_causal
     q3, batch_shape = _common.flatten_batch(q, 3)
     k3, _ = _common.flatten_batch(k, 3)
     v3, _ = _common.flatten_batch(v, 3)
@@ -252,9 +216,9 @@ def attention(
     groups = num_heads // k3.shape[2]
     if groups > 1:  # [B, T, K, D] -> [B, T, H, D], head h reading kv head h // groups
         k3, v3 = jnp.repeat(k3, groups, axis=2), jnp.repeat(v3, groups, axis=2)
-    segments = _common.flat_or_none(q_segments, 1)
-    q_len_flat = _common.flat_or_none(q_lengths, 0)
-    kv_len_flat = _common.flat_or_none(kv_lengths, 0)
+    segments = _common.flat_or_none(ops.q_segments, 1)
+    q_len_flat = _common.flat_or_none(ops.q_lengths, 0)
+    kv_len_flat = _common.flat_or_none(ops.kv_lengths, 0)
     if kv_len_flat is not None:
         q3, k3, v3 = _hide_keys_column(q3, k3, v3, kv_len_flat, scale)
     t_pad = _padded_len(t)
@@ -264,8 +228,8 @@ def attention(
     blocks = _kernel_module().BlockSizes(
         block_q=tile, block_k=tile, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
     )
-    settings = (float(scale), bool(is_causal), blocks, bool(interpret))
-    out, lse2 = _mha_with_lse(q3, k3, v3, ids, settings)
+    static = (float(scale), bool(is_causal), blocks, bool(interpret))
+    out, lse2 = _mha_with_lse(q3, k3, v3, ids, static)
     out = out[:, :t, :, :head_dim]
     lse = jax.lax.stop_gradient(lse2[:, :, :t]) * math.log(2.0)  # base 2 -> natural log
     valid = _row_valid(q_len_flat, kv_len_flat, segments, t)

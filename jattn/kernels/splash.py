@@ -37,66 +37,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import mods
+from jattn._call import Operands, Settings
+from jattn._util import round_up
 from jattn.kernels import _common
+from jattn.kernels._contract import KernelQuery
 
-__all__ = ["RETURNS_LSE", "attention", "available", "obstacle"]
+__all__ = ["LSE_HAS_GRADIENT", "NAME", "RETURNS_LSE", "attention", "available", "obstacle"]
 
 Array = jax.Array
 
 _LANES = 128  # splash's block sizes are multiples of the TPU lane width
 _SINK = -1e30  # the logit of the sink that keeps empty rows at zero (see module docstring)
 _DTYPES = ("bfloat16", "float32")
+NAME = "splash"
 RETURNS_LSE = False  # only splash's non-differentiable variant has it
+LSE_HAS_GRADIENT = False
 
 
-def available(backend: str) -> bool:
-    """True on TPU, the one backend splash runs natively on (elsewhere: interpret mode)."""
-    return backend == "tpu"
+def available(platform: str) -> bool:
+    """True on TPU, the one platform splash runs natively on (elsewhere: interpret mode)."""
+    return platform == "tpu"
 
 
-def obstacle(
-    *,
-    backend: str,
-    interpret: bool,
-    q_shape: tuple[int, ...],
-    kv_shape: tuple[int, ...],
-    dtype,
-    is_causal: bool,
-    window: tuple[int, int | None] | None,
-    has_mask: bool,
-    has_bias: bool,
-    has_lengths: bool,
-    has_segments: bool,
-    dropout: bool,
-    return_weights: bool,
-    softcap: float | None,
-    separate_kv_segments: bool = False,
-    v_head_dim: int | None = None,
-    traced_scale: bool = False,
-) -> str | None:
-    """Why splash cannot honour this call (None: it can). Static: shapes, dtypes and flags.
+def obstacle(query: KernelQuery) -> str | None:
+    """Why splash cannot honour this call (None: it can). Static: ``query`` only.
 
     Splash takes causal masks, windows, lengths, segment ids (separate query and key/value
     ids too), grouped- and multi-query attention, soft-capping, a value head size unlike
     the query's, any scale; it refuses mask and bias arrays, dropout, returned weights and
     dtypes other than bfloat16 and float32.
     """
-    del q_shape, kv_shape, is_causal, window, has_lengths, has_segments, softcap
-    del separate_kv_segments, v_head_dim, traced_scale
-    if backend != "tpu" and not interpret:
+    if not available(query.platform) and not query.interpret:
         return (
-            f"it runs on TPU only, not on {backend} (set JATTN_PALLAS_INTERPRET=1 to run it "
-            "in interpret mode, slowly, for tests)"
+            f"it runs on TPU only, not on {query.platform} (set JATTN_PALLAS_INTERPRET=1 to "
+            "run it in interpret mode, slowly, for tests)"
         )
-    return _common.common_obstacle(
-        has_mask=has_mask,
-        has_bias=has_bias,
-        dropout=dropout,
-        return_weights=return_weights,
-        dtype=dtype,
-        dtypes=_DTYPES,
-        kernel="splash",
-    )
+    return _common.common_obstacle(query, dtypes=_DTYPES, kernel="splash")
 
 
 def _block(padded_len: int) -> int:
@@ -206,19 +183,7 @@ def _kernel(num_heads: int, num_kv_heads: int, dims, tq, tk, is_causal, window, 
 
 
 def attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    scale: float,
-    is_causal: bool,
-    window: tuple[int, int | None] | None,
-    q_lengths: Array | None,
-    kv_lengths: Array | None,
-    q_segments: Array | None,
-    kv_segments: Array | None,
-    softcap: float | None,
-    interpret: bool,
+    q: Array, k: Array, v: Array, ops: Operands, settings: Settings, *, interpret: bool
 ) -> tuple[Array, None]:
     """Splash attention with jattn's semantics (see the module docstring for the mapping).
 
@@ -226,28 +191,28 @@ def attention(
       q: ``[batch..., Tq, H, D]``.
       k: ``[batch..., Tk, K, D]`` with ``H % K == 0``.
       v: ``[batch..., Tk, K, Dv]``.
-      scale: the logit multiplier (a Python float or a traced scalar).
-      is_causal: query ``i`` sees keys ``j <= i``.
-      window: ``(left, right)``: query ``i`` sees keys ``i-left .. i+right`` (``right``
-        None: no bound), or None.
-      q_lengths, kv_lengths: int ``[batch...]`` or None.
-      q_segments, kv_segments: int ``[batch..., Tq]`` / ``[batch..., Tk]`` or None
-        (``kv_segments`` None: the query ids stand for both).
-      softcap: ``logits = softcap * tanh(logits / softcap)`` after scaling, or None.
+      ops: the call's arrays: ``scale`` (a Python float or a traced scalar), the lengths
+        ``[batch...]`` and the segment ids ``[batch..., Tq]`` / ``[batch..., Tk]`` are read
+        (the rest is refused by :func:`obstacle`).
+      settings: the call's options: ``is_causal``, ``window`` (``(left, right)``: query
+        ``i`` sees keys ``i-left .. i+right``, ``right`` None: no bound) and a bare
+        :func:`jattn.mods.softcap` ``score_mod`` (splash's ``attn_logits_soft_cap``).
       interpret: run the Pallas kernel in interpret mode (any backend, slow).
 
     Returns:
       ``(out, None)``: ``out [batch..., Tq, H, Dv]`` in q's dtype; no lse (see module doc).
     """
+    scale, softcap = ops.scale, mods.native_softcap(settings.score_mod)
     q3, batch_shape = _common.flatten_batch(q, 3)
     k3, _ = _common.flatten_batch(k, 3)
     v3, _ = _common.flatten_batch(v, 3)
     _, tq, num_heads, _ = q3.shape
     tk, num_kv_heads = k3.shape[1:3]
-    dims = (_common.round_up(tq, _LANES), _common.round_up(tk, _LANES))
+    dims = (round_up(tq, _LANES), round_up(tk, _LANES))
     kernel = _kernel(
-        num_heads, num_kv_heads, dims, tq, tk, is_causal, window, softcap, bool(interpret)
-    )
+        num_heads, num_kv_heads, dims, tq, tk, settings.is_causal, settings.window, softcap,
+        bool(interpret),
+    )  # fmt: skip
     scaled = (q3.astype(jnp.float32) * scale).astype(q3.dtype)
     # [B, T, heads, D] -> [B, heads, T_padded, D]: splash's head-major layout.
     qh = _common.pad_axis(jnp.swapaxes(scaled, 1, 2), 2, dims[0])
@@ -257,10 +222,10 @@ def attention(
         kh, vh = kh[:, 0], vh[:, 0]
     sinks = jnp.full((num_heads,), _SINK, jnp.float32)
     ids = _segment_ids(
-        _common.flat_or_none(q_segments, 1),
-        _common.flat_or_none(kv_segments, 1),
-        _common.flat_or_none(q_lengths, 0),
-        _common.flat_or_none(kv_lengths, 0),
+        _common.flat_or_none(ops.q_segments, 1),
+        _common.flat_or_none(ops.kv_segments, 1),
+        _common.flat_or_none(ops.q_lengths, 0),
+        _common.flat_or_none(ops.kv_lengths, 0),
         tq,
         tk,
     )

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-__all__ = ["hoist"]
+__all__ = ["Hoisted", "hoist"]
 
 
-def hoist(fn: Callable, *example_args) -> tuple[Callable, list]:
+def hoist(fn: Callable, *example_args) -> tuple[Hoisted, list]:
     """``fn`` with every array it closes over hoisted into explicit trailing arguments.
 
     Args:
@@ -35,22 +35,39 @@ def hoist(fn: Callable, *example_args) -> tuple[Callable, list]:
     Returns:
       ``(converted, consts)``: ``converted(*args, *consts) == fn(*args)`` for ``args``
       shaped like ``example_args``; ``consts`` is the list of arrays (concrete or traced)
-      that ``fn`` reads from its closure.
+      that ``fn`` reads from its closure. ``fn`` is traced once, here; ``converted``
+      evaluates the traced program and never calls ``fn`` again.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
-    in_tree = jax.tree.structure(example_args)
-    out_tree = jax.tree.structure(out_shape)
-    jaxpr, num_consts = closed.jaxpr, len(closed.consts)
+    converted = Hoisted(
+        closed.jaxpr, jax.tree.structure(example_args), jax.tree.structure(out_shape)
+    )
+    return converted, list(closed.consts)
 
-    def converted(*args_and_consts):
-        split = len(args_and_consts) - num_consts
+
+class Hoisted:
+    """A function hoisted by :func:`hoist`: ``converted(*args, *consts)``."""
+
+    def __init__(self, jaxpr, in_tree, out_tree):
+        self._jaxpr = jaxpr
+        self._in_tree = in_tree
+        self._out_tree = out_tree
+        self._num_consts = len(jaxpr.constvars)
+
+    def __call__(self, *args_and_consts):
+        split = len(args_and_consts) - self._num_consts
         args, consts = args_and_consts[:split], args_and_consts[split:]
         leaves, tree = jax.tree.flatten(tuple(args))
-        if tree != in_tree:
+        if tree != self._in_tree:
             raise TypeError(
-                f"the hoisted function was specialised to arguments {in_tree}, got {tree}."
+                f"the hoisted function was specialised to arguments {self._in_tree}, got {tree}."
             )
-        out = jaxpr_as_fun(ClosedJaxpr(jaxpr, list(consts)))(*leaves)
-        return jax.tree.unflatten(out_tree, out)
+        out = jaxpr_as_fun(ClosedJaxpr(self._jaxpr, list(consts)))(*leaves)
+        return jax.tree.unflatten(self._out_tree, out)
 
-    return converted, list(closed.consts)
+    def uses(self, index: int) -> bool:
+        """Whether the result depends on flat argument ``index`` at all (it is read by some
+        operation or returned): e.g. whether a ``mask_mod`` looks at its batch index."""
+        var = self._jaxpr.invars[index]
+        read = (v for eqn in self._jaxpr.eqns for v in eqn.invars)
+        return any(v is var for v in read) or any(v is var for v in self._jaxpr.outvars)

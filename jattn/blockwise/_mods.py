@@ -1,102 +1,63 @@
 """Score/mask modifiers, sinks and a bias on the blockwise path's tiles.
 
-:mod:`jattn.blockwise` computes scores tile by tile, in two layouts: query-major
-``[N, K, G, rows, cols]`` (the forward pass) and key-major ``[N, K, cols, G, rows]`` (the
-backward pass), with ``N`` the flattened batch, ``K`` key/value heads, ``G`` query heads
-per key/value head (query head ``h = k * G + g``). This module holds what a call's
-modifiers add to such a tile, whatever its layout and size:
+The passes compute scores tile by tile, in two layouts: query-major ``[N, K, G, rows,
+cols]`` (the forward pass) and key-major ``[N, K, cols, G, rows]`` (the backward pass),
+with ``N`` the flattened batch, ``K`` key/value heads, ``G`` query heads per key/value head
+(query head ``h = k * G + g``). This module holds what a call's modifiers add to such a
+tile, whatever its layout and size:
 
 * **score_mod / mask_mod** (FlexAttention's functions, :mod:`jattn.mods`) are hoisted
-  once (:func:`jattn._closure.hoist`) at one-element shapes ``[1, 1, 1, 1]``: the arrays
-  they close over become explicit operands (the custom VJP differentiates the float
-  ones), and the hoisted function is applied to a tile elementwise by nested ``jax.vmap``
-  over the tile's axes (:func:`elementwise`). The modifier itself still sees rank-4
-  arrays (one element each) and the tile's absolute (b, h, q_idx, kv_idx); operands that
-  do not vary along an axis are not mapped there, so ``slopes[h]`` is gathered once per
-  head, not once per score.
-* **a bias** broadcastable to ``[batch..., H, Tq, Tk]`` is laid out as
-  ``[Nb, Kb, Gb, Lq, Lk]`` (size-1 axes stay size 1, nothing is materialised along them;
-  full axes are zero-padded to the tiled lengths) and sliced per tile; its gradient is
-  accumulated in that same layout (:func:`bias_tile_grad`), so its memory is the bias's own.
+  once (:func:`jattn.blockwise._closure.hoist`) at one-element shapes ``[1, 1, 1, 1]``:
+  the arrays they close over become explicit operands (the custom VJP differentiates the
+  float ones), and the hoisted function is applied to a tile elementwise by nested
+  ``jax.vmap`` over the tile's axes (:func:`elementwise`). The modifier itself still sees
+  rank-4 arrays (one element each) and the tile's absolute (b, h, q_idx, kv_idx);
+  operands that do not vary along an axis are not mapped there, so ``slopes[h]`` is
+  gathered once per head, not once per score. The hoisting is the path's only trace of
+  the modifier: tile states are evaluated from the hoisted function too.
+* **a bias** laid out by :func:`jattn.blockwise._layout.tile_layout` is sliced per tile;
+  its gradient is accumulated in that same layout (:func:`bias_tile_grad`), so its memory
+  is the bias's own.
 * **sinks** ``[H]`` become ``[K, G]``: each row's online softmax starts from its head's
   sink (running max = sink, running sum = 1), which makes the sink one more logit of the
   row with no value; the log-sum-exp then includes it.
-* **block masks** (:class:`jattn.BlockMask`) give the schedule its tile states: a
-  block mask's per-tile states, combined over batch rows and heads, are coarsened to the
-  path's tiles when those are multiples of the block mask's (:func:`coarsen`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _closure, block_masks, mods
+from jattn import mods
+from jattn.blockwise import _closure
+from jattn.blockwise._config import Config, ModOperands, ModSpec
 
 __all__ = [
-    "ModOperands",
-    "ModSpec",
+    "add_extra",
+    "backward_score",
     "bias_tile",
     "bias_tile_grad",
-    "block_states",
-    "coarsen",
     "elementwise",
+    "extra_zeros",
+    "forward_score",
     "hoist_modifier",
     "mask_tile",
+    "mod_grads",
+    "modifies_scores",
     "peel_band",
     "score_tile",
     "score_tile_vjp",
     "sink_grad",
+    "tile_extra_zeros",
+    "tile_index",
     "tile_indices",
-    "tile_layout",
 ]
 
 Array = jax.Array
 _ONE = (1, 1, 1, 1)
-
-
-class ModOperands(NamedTuple):
-    """The differentiable operands the modifiers add to a blockwise call (a pytree).
-
-    Attributes:
-      score_consts: the arrays ``score_mod`` reads (hoisted), in its hoisted order.
-      sinks: float ``[K, G]`` sink logits, or None.
-      bias: float ``[Nb, Kb, Gb, Lq, Lk]`` (:func:`tile_layout`), or None.
-    """
-
-    score_consts: tuple = ()
-    sinks: Array | None = None
-    bias: Array | None = None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ModSpec:
-    """The static side of a call's modifiers (hashed by identity: one per call).
-
-    Attributes:
-      score: hoisted ``score_mod(score, b, h, q_idx, kv_idx, *score_consts)`` at
-        one-element shapes, or None.
-      mask: hoisted ``mask_mod(b, h, q_idx, kv_idx, *mask_consts)``, or None.
-      score_float: per score const, whether it is floating (gets a gradient).
-      states_block: ``(block_q, block_k)`` of the tile states in ``Aux``, or None.
-      has_bias: the call adds a bias (``ModOperands.bias``).
-    """
-
-    score: Callable | None = None
-    mask: Callable | None = None
-    score_float: tuple[bool, ...] = ()
-    states_block: tuple[int, int] | None = None
-    has_bias: bool = False
-
-    @property
-    def elementwise(self) -> bool:
-        """Whether tiles need more than the band: a score_mod, a mask_mod or a bias."""
-        return self.score is not None or self.mask is not None or self.has_bias
 
 
 def hoist_modifier(fn: Callable, kind: str, dtype) -> tuple[Callable, list]:
@@ -121,11 +82,6 @@ def peel_band(mask_mod) -> tuple[bool, Any]:
     return False, mask_mod
 
 
-# ----------------------------------------------------------------------------------------
-# Elementwise application to tiles
-# ----------------------------------------------------------------------------------------
-
-
 def tile_indices(*, n, k_heads, groups, head_offset, q_len, kv_len, row0, rows, col0, cols,
                  key_major: bool):  # fmt: skip
     """``(b, h, q_idx, kv_idx)`` int32 of a tile, rank 5, in the tile's layout.
@@ -144,11 +100,17 @@ def tile_indices(*, n, k_heads, groups, head_offset, q_len, kv_len, row0, rows, 
     q = jnp.minimum(row0 + jnp.arange(rows, dtype=i32), q_len - 1)
     kv = jnp.minimum(col0 + jnp.arange(cols, dtype=i32), kv_len - 1)
     if key_major:
-        return b, h.reshape(1, k_heads, 1, groups, 1), q.reshape(1, 1, 1, 1, rows), kv.reshape(
-            1, 1, cols, 1, 1
+        return (
+            b,
+            h.reshape(1, k_heads, 1, groups, 1),
+            q.reshape(1, 1, 1, 1, rows),
+            kv.reshape(1, 1, cols, 1, 1),
         )
-    return b, h.reshape(1, k_heads, groups, 1, 1), q.reshape(1, 1, 1, rows, 1), kv.reshape(
-        1, 1, 1, 1, cols
+    return (
+        b,
+        h.reshape(1, k_heads, groups, 1, 1),
+        q.reshape(1, 1, 1, rows, 1),
+        kv.reshape(1, 1, 1, 1, cols),
     )
 
 
@@ -205,31 +167,6 @@ def mask_tile(spec: ModSpec, consts, index) -> Array:
     return elementwise(lambda *idx: spec.mask(*idx, *consts), *index)
 
 
-# ----------------------------------------------------------------------------------------
-# Bias
-# ----------------------------------------------------------------------------------------
-
-
-def tile_layout(x: Array, batch, num_heads, k_heads, padded_q, padded_kv) -> Array:
-    """A mask or bias broadcastable to ``[batch..., H, Tq, Tk]`` as ``[N|1, K|1, G|1, Lq, Lk]``:
-    size-1 axes stay size 1 (nothing is materialised along them); full query / key axes are
-    padded with zeros (False) to the tiled lengths."""
-    x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)
-    if all(s == 1 for s in x.shape[: len(batch)]):
-        x = x.reshape(1, *x.shape[len(batch) :])
-    else:
-        x = jnp.broadcast_to(x, (*batch, *x.shape[len(batch) :]))
-        x = x.reshape(math.prod(batch), *x.shape[len(batch) :])
-    _, h, lq, lk = x.shape
-    groups = num_heads // k_heads
-    x = x.reshape(x.shape[0], k_heads, groups, lq, lk) if h > 1 else x[:, :, None]
-    pad_q = padded_q - lq if lq > 1 else 0
-    pad_k = padded_kv - lk if lk > 1 else 0
-    if pad_q or pad_k:
-        x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad_q), (0, pad_k)))
-    return x
-
-
 def _slice(x: Array, start, width: int, axis: int) -> Array:
     return x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, width, axis)
 
@@ -253,11 +190,6 @@ def bias_tile_grad(d_bias: Array, ds: Array, row0, col0, key_major: bool) -> Arr
     return jax.lax.dynamic_update_slice(d_bias, current + ds, start)
 
 
-# ----------------------------------------------------------------------------------------
-# Sinks and block states
-# ----------------------------------------------------------------------------------------
-
-
 def sink_grad(sinks: Array, lse: Array, delta: Array) -> Array:
     """``d sinks [K, G]`` from the per-row ``lse`` and ``delta = rowsum(dO * O) - d_lse``
     (``[N, K, G, T]``): the sink's probability in each row is ``exp(sink - lse)`` and
@@ -266,31 +198,110 @@ def sink_grad(sinks: Array, lse: Array, delta: Array) -> Array:
     return -jnp.sum(p_sink * delta, axis=(0, 3)).astype(sinks.dtype)
 
 
-def block_states(mask_mod, block_mask, *, n, num_heads, q_len, kv_len, block) -> Array:
-    """int8 ``[nq, nk]`` tile states (EMPTY / PARTIAL / FULL of :mod:`jattn.block_masks`)
-    at ``block``, combined over batch rows and heads: EMPTY only if empty for every one,
-    FULL only if full for every one. From ``block_mask`` when given at that block, else
-    evaluated from ``mask_mod`` once (one row of tiles at a time)."""
-    if block_mask is None or (block_mask.block_q, block_mask.block_k) != block:
-        block_mask = block_masks.block_mask(
-            mask_mod, q_len=q_len, kv_len=kv_len, batch_shape=n, num_heads=num_heads,
-            block_q=block[0], block_k=block[1],
-        )  # fmt: skip
-    needed, full = block_mask.tile_flags()
-    return jnp.where(full, block_masks.FULL, jnp.where(needed, block_masks.PARTIAL, 0)).astype(
-        jnp.int8
+# ----------------------------------------------------------------------------------------
+# The modifiers of a call (its Config and ModOperands) on one tile
+# ----------------------------------------------------------------------------------------
+
+
+def tile_index(cfg: Config, row0, rows: int, col0, cols: int, key_major: bool):
+    """``(b, h, q_idx, kv_idx)`` of a tile for the call's modifiers (:func:`tile_indices`)."""
+    return tile_indices(
+        n=cfg.batch_size, k_heads=cfg.kv_heads, groups=cfg.num_heads // cfg.kv_heads,
+        head_offset=cfg.head_offset, q_len=cfg.q_len, kv_len=cfg.kv_len, row0=row0, rows=rows,
+        col0=col0, cols=cols, key_major=key_major,
+    )  # fmt: skip
+
+
+def modifies_scores(cfg: Config, mops) -> bool:
+    return mops is not None and (
+        (cfg.mods is not None and cfg.mods.score is not None) or mops.bias is not None
     )
 
 
-def coarsen(states: Array, block: tuple[int, int], tile: tuple[int, int], nq: int, nk: int):
-    """``(needed, full)`` bool ``[nq, nk]`` for tiles of ``tile``, from ``states`` at
-    ``block`` (each tile length a multiple of the block's). Sub-blocks past the states'
-    extent (tile padding) count as neither needed nor partial."""
-    fq, fk = tile[0] // block[0], tile[1] // block[1]
-    sq, sk = states.shape
-    pad = ((0, nq * fq - sq), (0, nk * fk - sk))
-    needed = jnp.pad(states != 0, pad, constant_values=False)
-    full = jnp.pad(states == block_masks.FULL, pad, constant_values=True)
-    needed = needed.reshape(nq, fq, nk, fk).any(axis=(1, 3))
-    full = full.reshape(nq, fq, nk, fk).all(axis=(1, 3))
-    return needed, full & needed
+def forward_score(cfg: Config, mops, row0, rows: int, col0, cols: int):
+    """``s -> score_mod(s) + bias`` for a query-major tile (None: the call has neither)."""
+    if not modifies_scores(cfg, mops):
+        return None
+
+    def score(s):
+        if cfg.mods.score is not None:
+            index = tile_index(cfg, row0, rows, col0, cols, key_major=False)
+            s = score_tile(cfg.mods, mops.score_consts, s, index)
+        if mops.bias is not None:
+            s = s + bias_tile(mops.bias, row0, rows, col0, cols, key_major=False)
+        return s
+
+    return score
+
+
+def backward_score(cfg: Config, mops, row0, rows: int, col0, cols: int):
+    """``s -> (score_mod(s) + bias, vjp)`` for a key-major tile; ``vjp(ds)`` returns
+    ``(d_s, (d_float_consts, ds))`` (``ds`` for the bias gradient). None: no modifier."""
+    if not modifies_scores(cfg, mops):
+        return None
+
+    def score(s):
+        vjp = None
+        if cfg.mods.score is not None:
+            index = tile_index(cfg, row0, rows, col0, cols, key_major=True)
+            s, vjp = score_tile_vjp(cfg.mods, mops.score_consts, s, index)
+        if mops.bias is not None:
+            s = s + bias_tile(mops.bias, row0, rows, col0, cols, key_major=True)
+
+        def backward(ds):
+            if vjp is None:
+                return ds, ((), ds)
+            d_s, d_consts = vjp(ds)
+            return d_s, (tuple(d.astype(ds.dtype) for d in d_consts if d is not None), ds)
+
+        return s, backward
+
+    return score
+
+
+def mod_grads(cfg: Config, mops: ModOperands, rows, d_extra) -> ModOperands:
+    """The cotangent of ``mops``: the score consts' (floats; None for the others), the
+    sinks' (from each row's sink probability; ``rows``: the backward pass's query side, with
+    its ``lse`` and ``delta``) and the bias's."""
+    d_consts, d_bias = ((), None) if d_extra is None else d_extra
+    it = iter(d_consts)
+    floats = cfg.mods.score_float if cfg.mods is not None else ()
+    d_score = tuple(
+        next(it).astype(c.dtype) if f else None
+        for c, f in zip(mops.score_consts, floats, strict=True)
+    )
+    d_sinks = None
+    if mops.sinks is not None:
+        d_sinks = sink_grad(mops.sinks, rows.lse[:, :, 0], rows.delta[:, :, 0])
+    if d_bias is not None:
+        d_bias = d_bias.astype(mops.bias.dtype)
+    return ModOperands(d_score, d_sinks, d_bias)
+
+
+def extra_zeros(cfg: Config, mops, f32):
+    """Zero accumulators of the modifiers' gradients: ``(d_float_consts, d_bias)`` or None."""
+    if not modifies_scores(cfg, mops):
+        return None
+    floats = cfg.mods.score_float if cfg.mods.score is not None else ()
+    consts = tuple(
+        jnp.zeros(c.shape, f32) for c, f in zip(mops.score_consts, floats, strict=True) if f
+    )
+    return consts, None if mops.bias is None else jnp.zeros(mops.bias.shape, f32)
+
+
+def add_extra(cfg: Config, acc, extra, i, j):
+    """``acc`` (:func:`extra_zeros`) plus one tile's ``extra`` (the backward pass's tile gradients)."""
+    if acc is None:
+        return None
+    d_consts, d_bias = acc
+    tile_consts, ds = extra
+    d_consts = tuple(a + t.astype(a.dtype) for a, t in zip(d_consts, tile_consts, strict=True))
+    if d_bias is not None:
+        d_bias = bias_tile_grad(d_bias, ds, i * cfg.block_q, j * cfg.block_k, key_major=True)
+    return d_consts, d_bias
+
+
+def tile_extra_zeros(cfg: Config, mops, tile_shape, f32):
+    """A skipped tile's ``extra`` (zeros shaped as :func:`_tile_grads` returns them)."""
+    acc = extra_zeros(cfg, mops, f32)
+    return None if acc is None else (acc[0], jnp.zeros(tile_shape, f32))

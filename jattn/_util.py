@@ -1,0 +1,54 @@
+"""Small pieces every path shares (one copy each): dtypes, sizes, ranks, implementation names.
+
+The bottom floor of the house: it imports nothing of jattn, and every module may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "ALIASES",
+    "IMPLEMENTATIONS",
+    "KERNELS",
+    "OWN_PATHS",
+    "Implementation",
+    "expand_rank",
+    "round_up",
+    "softmax_dtype",
+    "tile_cap",
+]
+
+Array = jax.Array
+
+# The one list of `implementation=` names: jattn._checks validates against it, the public
+# entry's type is it, jattn._routing routes each (``'xla'`` is an alias of ``'dense'``).
+Implementation = Literal["dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash"]
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
+ALIASES = {"xla": "dense"}  # jax.nn's names
+OWN_PATHS = ("dense", "blockwise")  # jattn's XLA paths; every other name is a kernel adapter
+KERNELS = tuple(n for n in IMPLEMENTATIONS if n not in OWN_PATHS and n not in ALIASES)
+
+
+def softmax_dtype(dtype):
+    """Softmax runs in at least float32, whatever the input dtype (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``n``."""
+    return -(-n // multiple) * multiple
+
+
+def tile_cap(length: int, block: int) -> int:
+    """``block`` capped at ``length`` rounded up to 8: a sequence shorter than a tile is one
+    short tile, not a padded one."""
+    return min(block, round_up(length, 8))
+
+
+def expand_rank(x: Array, ndim: int) -> Array:
+    """Leading singleton axes up to rank ``ndim`` (explicit, for rank promotion 'raise')."""
+    return x.reshape((1,) * (ndim - x.ndim) + x.shape)
