@@ -462,3 +462,28 @@ def test_tile_rule_tiles_divide_and_pad_little(kind, length, monkeypatch):
     if kind == "other":  # the AVX2 rule of benchmarks/results.md, unchanged
         expected = min(64 if length <= 512 else 128, -(-length // 8) * 8)
         assert tiles.fwd_q == tiles.bwd_q == tiles.fwd_k == tiles.bwd_k == expected
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "flags", "rule"),
+    [
+        ("AuthenticAMD", 25, {"avx2", "avx512f"}, "avx512"),  # Zen 4 (the AVX-512 sweep)
+        ("AuthenticAMD", 25, {"avx2"}, "avx512"),  # Zen 3: measured to want large tiles
+        ("GenuineIntel", 6, {"avx2", "avx512f"}, "avx512"),  # any AVX-512 CPU
+        ("GenuineIntel", 6, {"avx2"}, "other"),  # unmeasured AVX2: the rule measured there
+        ("AuthenticAMD", 23, {"avx2"}, "other"),  # Zen 2: not measured
+        ("", None, frozenset(), "other"),  # no /proc/cpuinfo (macOS, Windows)
+    ],
+)
+def test_tile_rule_follows_the_measured_cpu_families(vendor, family, flags, rule):
+    """The large-tile rule keys on what was measured (AVX-512, or a measured CPU family),
+    not on the AVX-512 flag alone (../shared/measurements/avx2-zen3-tiles.md)."""
+    assert blockwise._config.tile_rule(vendor, family, frozenset(flags)) == rule
+
+
+def test_cpu_kind_reads_this_machine_unless_forced(monkeypatch):
+    monkeypatch.delenv("JATTN_CPU_KIND", raising=False)
+    detected = blockwise.cpu_kind()
+    assert detected in ("avx512", "other")
+    monkeypatch.setenv("JATTN_CPU_KIND", "other" if detected == "avx512" else "avx512")
+    assert blockwise.cpu_kind() != detected

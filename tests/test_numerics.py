@@ -78,6 +78,26 @@ def test_large_logits_are_finite_and_match_the_reference(implementation, dtype):
     assert _all_finite((loss, grads))
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float16_query_times_a_large_scale_stays_finite_on_blockwise(is_causal):
+    """float16 q of 300s with scale=300: q * scale (9e4) is past float16's 65504, but the
+    float32 logits are not. The blockwise path folds the scale into q, and must keep that
+    product in float32 (issue 23, item 11): its answer is finite and the dense path's."""
+    q = jnp.full((1, 40, 2, 8), 300.0, jnp.float16)
+    _, k, v = _qkv((1,), 40, 40, 2, 2, 8, jnp.float16)
+    kw = dict(scale=300.0, is_causal=is_causal)
+    blockwise = jattn.dot_product_attention(q, k, v, implementation="blockwise", **kw)
+    dense = jattn.dot_product_attention(q, k, v, implementation="dense", **kw)
+    assert blockwise.dtype == jnp.float16
+    assert np.isfinite(np.asarray(blockwise, np.float32)).all()
+    np.testing.assert_allclose(
+        np.asarray(blockwise, np.float32), np.asarray(dense, np.float32), rtol=1e-2, atol=1e-2
+    )
+    mask = np.tril(np.ones((40, 40), bool)) if is_causal else None
+    ref = np_attention(q, k, v, scale=300.0, mask=mask)
+    np.testing.assert_allclose(np.asarray(blockwise, np.float32), ref, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", LOW)
 def test_low_precision_matches_float32_on_the_same_inputs(implementation, dtype):
