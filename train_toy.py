@@ -335,7 +335,7 @@ def _configs(args, toy) -> tuple:
                                 batch_size=args.batch_size, seed=args.seed, source=args.text)  # fmt: skip
         else:
             task = toy.CopyTask(args.num_symbols, args.prefix_len, args.batch_size, args.seed)
-        model_config = toy.GPTConfig(
+        model_config = toy.TinyGPTConfig(
             task.vocab_size, task.context_length, d_model=args.d_model,
             num_layers=args.num_layers, num_heads=args.num_heads, dropout=args.dropout,
         )  # fmt: skip

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import generate as gen
-from jattn.toy.model import GPTConfig, TinyGPT
+from jattn.toy.model import TinyGPT, TinyGPTConfig
 
 # How to read the tables; true of any run, so it is written with every table.
 READING = [
@@ -81,15 +81,15 @@ READING = [
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_results.md")
 
 
-def model_configs(new_tokens: int, prompt_len: int) -> dict[str, GPTConfig]:
+def model_configs(new_tokens: int, prompt_len: int) -> dict[str, TinyGPTConfig]:
     # The toy widths of train_toy.py's defaults; only the context grows to fit the run.
     toy_context = max(64, prompt_len + new_tokens)
     return {
-        "toy": GPTConfig(
+        "toy": TinyGPTConfig(
             vocab_size=17, context_length=toy_context, d_model=64, num_layers=2, num_heads=4,
             dropout=0.0,
         ),
-        "gpt2-small": GPTConfig(
+        "gpt2-small": TinyGPTConfig(
             vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12,
             dropout=0.0,
         ),
@@ -182,7 +182,7 @@ def _compiled_call(fn, *args) -> tuple[float, object]:
 
 def bench_model(
     name: str,
-    config: GPTConfig,
+    config: TinyGPTConfig,
     *,
     new_tokens: int,
     prompt_len: int,

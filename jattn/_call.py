@@ -71,7 +71,7 @@ class Settings:
     The modifiers are static here: arrays they close over (ALiBi slopes, a bias table,
     segment ids) are constants of their trace, so a path that wraps the attention in a
     ``custom_vjp`` must hoist them into explicit operands first to keep their gradients
-    (:func:`jattn._closure.hoist`).
+    (:func:`jattn.blockwise._closure.hoist`).
     """
 
     is_causal: bool = False

@@ -68,14 +68,9 @@ __all__ = [
     "alibi",
     "alibi_slopes",
     "and_masks",
-    "apply_score_mod",
     "causal",
     "compose",
     "document",
-    "evaluate_mask_mod",
-    "indices",
-    "is_modifier",
-    "native_softcap",
     "or_masks",
     "prefix_lm",
     "relative_bias",
@@ -88,7 +83,7 @@ Array = jax.Array
 
 
 # ----------------------------------------------------------------------------------------
-# Indices and evaluation (what the implementations call)
+# Indices and evaluation: what jattn's paths call (module functions, not in __all__)
 # ----------------------------------------------------------------------------------------
 
 

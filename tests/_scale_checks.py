@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from _cli import load_train_toy
 
-from jattn.toy import CopyTask, GPTConfig, TinyGPT, TrainConfig, parallel
+from jattn.toy import CopyTask, TinyGPT, TinyGPTConfig, TrainConfig, parallel
 from jattn.toy.train import Checkpointer, init_state, state_shardings, train
 
 STEPS, STOP_AT = 16, 10
@@ -40,7 +40,7 @@ FLAGS = [
 
 def _configs():
     task = CopyTask(**TASK)
-    model = GPTConfig(task.vocab_size, task.context_length, **MODEL)
+    model = TinyGPTConfig(task.vocab_size, task.context_length, **MODEL)
     cfg = TrainConfig(steps=STEPS, seed=TASK["seed"], checkpoint_every=STOP_AT, eval_every=8)
     return task, model, cfg
 

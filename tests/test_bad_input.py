@@ -32,7 +32,7 @@ from jattn import generate as gen
 from jattn import linen as jl
 from jattn import nnx as jn
 from jattn.rope import RoPE
-from jattn.toy import CopyTask, GPTConfig, TextTask, TinyGPT, TrainConfig
+from jattn.toy import CopyTask, TextTask, TinyGPT, TinyGPTConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,7 +219,7 @@ def ring_call(q=Q, k=Q, **kwargs):
 
 @functools.cache
 def tiny_gpt():
-    cfg = GPTConfig(5, 8, d_model=8, num_layers=1, num_heads=2, dropout=0.0)
+    cfg = TinyGPTConfig(5, 8, d_model=8, num_layers=1, num_heads=2, dropout=0.0)
     model = TinyGPT(cfg)
     return model, model.init(KEY, jnp.zeros((1, 8), jnp.int32))
 
@@ -559,10 +559,10 @@ CASES = [
     Case("viz.line_plot", "a 2-d x", V, "x must be 1-d", lambda: viz().line_plot(np.ones((2, 2)), {"a": np.ones(2)})),
     Case("viz.bar_plot", "a NaN value", V, "values must be finite numbers", lambda: viz().bar_plot({"a": float("nan")})),
     # toy
-    Case("toy.GPTConfig", "vocab_size=0", V, "vocab_size must be an int >= 1", lambda: GPTConfig(0, 8)),
-    Case("toy.GPTConfig", "mlp_ratio=0", V, "mlp_ratio must be an int >= 1", lambda: GPTConfig(5, 8, mlp_ratio=0)),
-    Case("toy.GPTConfig", "dropout='a'", T, "dropout must be a float in [0, 1)", lambda: GPTConfig(5, 8, dropout="a")),
-    Case("toy.GPTConfig", "d_model not a multiple of num_heads", V, "d_model (10) must be a multiple of num_heads (4)", lambda: GPTConfig(5, 8, d_model=10, num_heads=4)),
+    Case("toy.TinyGPTConfig", "vocab_size=0", V, "vocab_size must be an int >= 1", lambda: TinyGPTConfig(0, 8)),
+    Case("toy.TinyGPTConfig", "mlp_ratio=0", V, "mlp_ratio must be an int >= 1", lambda: TinyGPTConfig(5, 8, mlp_ratio=0)),
+    Case("toy.TinyGPTConfig", "dropout='a'", T, "dropout must be a float in [0, 1)", lambda: TinyGPTConfig(5, 8, dropout="a")),
+    Case("toy.TinyGPTConfig", "d_model not a multiple of num_heads", V, "d_model (10) must be a multiple of num_heads (4)", lambda: TinyGPTConfig(5, 8, d_model=10, num_heads=4)),
     Case("toy.TinyGPT", "float tokens", T, "TinyGPT takes int token ids", gpt_call(jnp.ones((2, 4)))),
     Case("toy.TinyGPT", "token ids >= vocab_size", V, "outside [0, vocab_size = 5)", gpt_call(jnp.full((2, 4), 7))),
     Case("toy.TinyGPT", "negative token ids", V, "outside [0, vocab_size = 5)", gpt_call(jnp.full((2, 4), -1))),

@@ -341,9 +341,9 @@ def test_generation_with_the_nnx_modules():
 
 
 def test_tiny_gpt_decoding_equals_its_full_forward_for_ragged_prompts():
-    from jattn.toy import GPTConfig, TinyGPT
+    from jattn.toy import TinyGPT, TinyGPTConfig
 
-    cfg = GPTConfig(vocab_size=11, context_length=16, d_model=32, num_layers=2, dropout=0.0)
+    cfg = TinyGPTConfig(vocab_size=11, context_length=16, d_model=32, num_layers=2, dropout=0.0)
     model, decoder = TinyGPT(cfg), TinyGPT(cfg, decode=True)
     params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     cache = decoder.init(jax.random.key(0), jnp.zeros((3, 12), jnp.int32))["cache"]

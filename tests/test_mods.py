@@ -644,4 +644,3 @@ def test_hoisted_constants_get_gradients_through_a_custom_vjp_under_grad_of_jit(
         got = transform(f, (0, 1))(x, slopes, ids)
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6)
-

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jattn.toy import CopyTask, GPTConfig, TinyGPT, TrainConfig
+from jattn.toy import CopyTask, TinyGPT, TinyGPTConfig, TrainConfig
 from jattn.toy.train import init_state, train
 
 pytestmark = pytest.mark.slow  # two training processes and a reference run: about a minute
@@ -101,7 +101,7 @@ def test_losses_match_one_device(two_hosts):
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     # The same run on this process's one device (a 1x1 mesh).
     task = CopyTask(num_symbols=4, prefix_len=4, batch_size=16, seed=3)
-    model_cfg = GPTConfig(
+    model_cfg = TinyGPTConfig(
         task.vocab_size, task.context_length, d_model=16, num_layers=1, num_heads=2, dropout=0.1
     )
     cfg = TrainConfig(steps=STEPS, seed=3, checkpoint_every=STEPS, eval_every=STEPS)

@@ -21,7 +21,7 @@ import jattn
 from jattn import kvcache
 from jattn import linen as jl
 from jattn import nnx as jn
-from jattn.toy import CopyTask, GPTConfig, TinyGPT, TrainConfig, init_state, make_train_step
+from jattn.toy import CopyTask, TinyGPT, TinyGPTConfig, TrainConfig, init_state, make_train_step
 
 IMPLEMENTATIONS = ["dense", "blockwise"]
 LOW = [jnp.bfloat16, jnp.float16]
@@ -312,7 +312,7 @@ def test_debug_nans_modules_training_and_decoding():
 
 def test_debug_nans_toy_training_step_and_sampling():
     task = CopyTask(num_symbols=4, prefix_len=3, batch_size=4)
-    model_cfg = GPTConfig(task.vocab_size, task.context_length, d_model=8, num_layers=1, num_heads=2)  # fmt: skip
+    model_cfg = TinyGPTConfig(task.vocab_size, task.context_length, d_model=8, num_layers=1, num_heads=2)  # fmt: skip
     cfg = TrainConfig(steps=3)
     with jax.debug_nans(True):
         step = make_train_step(TinyGPT(model_cfg), cfg)
@@ -336,7 +336,7 @@ def test_value_checks_accept_concrete_arrays_under_jit():
     np.testing.assert_allclose(
         got, jattn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths), atol=1e-6
     )
-    model = TinyGPT(GPTConfig(5, 4, d_model=8, num_layers=1, num_heads=2))
+    model = TinyGPT(TinyGPTConfig(5, 4, d_model=8, num_layers=1, num_heads=2))
     tokens = jnp.array([[1, 2, 3, 4]])
     variables = model.init(jax.random.key(0), tokens)
     np.testing.assert_allclose(

@@ -32,9 +32,9 @@ from jattn import convert
 from jattn.toy import (
     Checkpointer,
     CopyTask,
-    GPTConfig,
     TextTask,
     TinyGPT,
+    TinyGPTConfig,
     TrainConfig,
     greedy_generate,
     init_state,
@@ -61,7 +61,7 @@ TINY_FLAGS = [
 
 def _tiny_configs():
     task = CopyTask(**TINY)
-    model = GPTConfig(task.vocab_size, task.context_length, **TINY_MODEL)
+    model = TinyGPTConfig(task.vocab_size, task.context_length, **TINY_MODEL)
     train = TrainConfig(steps=STEPS, seed=TINY["seed"], checkpoint_every=10, eval_every=10)
     return task, model, train
 
@@ -388,7 +388,10 @@ def _compile_events():
     (Counted from jax.monitoring events rather than the jit's C++ cache size, which stays
     0 when a call takes the Python dispatch path.)
     """
-    watched = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    watched = (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/backend_compile_duration",
+    )
     events: list[str] = []
 
     def listener(event, *_args, **_kwargs):
@@ -483,7 +486,7 @@ def test_leaky_generation_reads_the_placeholders():
 
 
 class NNXBlock(nnx.Module):
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TinyGPTConfig, *, rngs: nnx.Rngs):
         d = cfg.d_model
         self.ln_attn = nnx.LayerNorm(d, rngs=rngs)
         self.attn = jattn.nnx.MultiHeadAttention(
@@ -503,7 +506,7 @@ class NNXBlock(nnx.Module):
 class NNXTinyGPT(nnx.Module):
     """jattn.toy.TinyGPT written in NNX, with the same parameter names."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TinyGPTConfig, *, rngs: nnx.Rngs):
         self.tok_emb = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.pos_emb = nnx.Embed(cfg.context_length, cfg.d_model, rngs=rngs)
         for i in range(cfg.num_layers):

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from _cli import load_train_toy
 
-from jattn.toy import Checkpointer, CopyTask, GPTConfig, TinyGPT, TrainConfig, init_state
+from jattn.toy import Checkpointer, CopyTask, TinyGPT, TinyGPTConfig, TrainConfig, init_state
 from jattn.toy.train import TrainingDiverged, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ FLAGS = [
 ]  # fmt: skip
 # The same run as configuration objects (what train_toy.py builds from FLAGS).
 TASK = CopyTask(num_symbols=4, prefix_len=4, batch_size=8, seed=5)
-MODEL = GPTConfig(TASK.vocab_size, TASK.context_length, d_model=16, num_layers=1, num_heads=2)
+MODEL = TinyGPTConfig(TASK.vocab_size, TASK.context_length, d_model=16, num_layers=1, num_heads=2)
 TRAIN = TrainConfig(steps=STEPS, seed=5, checkpoint_every=10, eval_every=10)
 COMPARED = (
     "train_loss",

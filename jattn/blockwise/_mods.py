@@ -302,6 +302,6 @@ def add_extra(cfg: Config, acc, extra, i, j):
 
 
 def tile_extra_zeros(cfg: Config, mops, tile_shape, f32):
-    """A skipped tile's ``extra`` (zeros shaped as :func:`_tile_grads` returns them)."""
+    """A skipped tile's ``extra`` (zeros shaped as the backward pass's tile gradients)."""
     acc = extra_zeros(cfg, mops, f32)
     return None if acc is None else (acc[0], jnp.zeros(tile_shape, f32))

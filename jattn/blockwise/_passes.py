@@ -397,7 +397,7 @@ def backward(cfg: Config, q, k, v, aux: Aux, out, lse, d_out, d_lse=None, mops=N
     """``(dq, dk, dv)`` of one call, given the forward's ``out`` and ``lse`` and the
     cotangents ``d_out [N, K, G, Tq_pad, Dv]`` and ``d_lse [N, K, G, Tq_pad]`` (or None).
     The pass runs on ``cfg``'s backward tiles. With the modifiers' operands ``mops``
-    (:class:`jattn._tile_mods.ModOperands`), ``(dq, dk, dv, d_mops)``."""
+    (:class:`jattn.blockwise._config.ModOperands`), ``(dq, dk, dv, d_mops)``."""
     cfg = cfg.backward_tiles()
     rows = _rows(cfg, q, out, lse, d_out, d_lse)
     kt = jnp.swapaxes(k, -1, -2)

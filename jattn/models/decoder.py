@@ -49,7 +49,7 @@ class DecoderBlock(nnx.Module):
         head_dim: int,
         qk_norm: bool,
         norm_eps: float,
-        settings: rope.RoPE,
+        rotary: rope.RoPE,
         attention_implementation: str | None,
         rngs: nnx.Rngs,
     ):
@@ -64,7 +64,7 @@ class DecoderBlock(nnx.Module):
             num_kv_heads=cfg.n_kv_groups,
             head_dim=head_dim,
             out_bias=False,
-            rope=settings,
+            rope=rotary,
             qk_norm=qk_norm,
             qk_norm_eps=QK_NORM_EPS,
             dtype=dtype,
@@ -93,7 +93,7 @@ class RopeDecoder(LanguageModel):
       head_dim: features per attention head.
       qk_norm: RMSNorm on every query and key head before RoPE (Qwen3).
       norm_eps: epsilon of the block and final RMSNorms.
-      settings: the RoPE settings (``rope_base``, Llama 3's ``rope_freq``).
+      rotary: the RoPE settings (``rope_base``, Llama 3's ``rope_freq``).
       attention_implementation: the attention core's ``implementation`` (None: automatic).
       rngs: ``nnx.Rngs`` for the initialization.
     """
@@ -107,7 +107,7 @@ class RopeDecoder(LanguageModel):
         head_dim: int,
         qk_norm: bool,
         norm_eps: float,
-        settings: rope.RoPE,
+        rotary: rope.RoPE,
         attention_implementation: str | None,
         rngs: nnx.Rngs,
     ):
@@ -123,7 +123,7 @@ class RopeDecoder(LanguageModel):
                 head_dim=head_dim,
                 qk_norm=qk_norm,
                 norm_eps=norm_eps,
-                settings=settings,
+                rotary=rotary,
                 attention_implementation=attention_implementation,
                 rngs=rngs,
             )

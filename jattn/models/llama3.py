@@ -49,7 +49,7 @@ class Llama3Model(RopeDecoder):
             head_dim=cfg.head_dim,
             qk_norm=False,
             norm_eps=NORM_EPS,
-            settings=cfg.rope,
+            rotary=cfg.rope,
             attention_implementation=attention_implementation,
             rngs=rngs,
         )

@@ -48,7 +48,7 @@ class Qwen3Model(RopeDecoder):
             head_dim=cfg.head_dim,
             qk_norm=cfg.qk_norm,
             norm_eps=NORM_EPS,
-            settings=cfg.rope,
+            rotary=cfg.rope,
             attention_implementation=attention_implementation,
             rngs=rngs,
         )

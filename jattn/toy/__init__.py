@@ -56,16 +56,16 @@ _check_requirements()
 from jattn.toy.data import CopyTask, TextTask  # noqa: E402
 from jattn.toy.experiment import RUNS, evaluate, run_experiment  # noqa: E402
 from jattn.toy.generate import generation_accuracy, greedy_generate  # noqa: E402
-from jattn.toy.model import GPTConfig, TinyGPT, init_variables  # noqa: E402
+from jattn.toy.model import TinyGPT, TinyGPTConfig, init_variables  # noqa: E402
 from jattn.toy.train import Checkpointer, TrainConfig, TrainState, init_state, make_train_step  # noqa: E402
 
 __all__ = [
     "RUNS",
     "Checkpointer",
     "CopyTask",
-    "GPTConfig",
     "TextTask",
     "TinyGPT",
+    "TinyGPTConfig",
     "TrainConfig",
     "TrainState",
     "evaluate",

@@ -48,7 +48,7 @@ from jattn import causality
 from jattn.toy import parallel
 from jattn.toy.data import stream_key
 from jattn.toy.generate import generation_accuracy
-from jattn.toy.model import GPTConfig, TinyGPT
+from jattn.toy.model import TinyGPT, TinyGPTConfig
 from jattn.toy.plots import plot_attention, plot_losses
 from jattn.toy.train import (
     Checkpointer,
@@ -300,7 +300,7 @@ def _labels(task, tokens) -> list[str]:
 
 def run_experiment(
     task,
-    model_config: GPTConfig,
+    model_config: TinyGPTConfig,
     train_config: TrainConfig,
     *,
     out_dir,

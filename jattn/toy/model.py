@@ -4,7 +4,7 @@ token + position embeddings -> ``num_layers`` pre-LayerNorm blocks
 (``x + MHA(LN(x))``, ``x + MLP(LN(x))``) -> final LayerNorm -> vocabulary head.
 
 The only difference between the demo's "causal" and "leaky" models is
-``GPTConfig.causal``, passed straight to ``MultiHeadAttention(is_causal=...)``: both have the
+``TinyGPTConfig.causal``, passed straight to ``MultiHeadAttention(is_causal=...)``: both have the
 same parameter tree, so the same seed gives them the same initial weights.
 
 Tensor parallelism is annotated, not coded: ``MultiHeadAttention(model_axis='model')``
@@ -25,28 +25,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _module_utils as mu
 from jattn.linen import MultiHeadAttention
 from jattn.toy.parallel import MODEL_AXIS
 
-__all__ = ["GPTConfig", "TinyGPT", "init_variables"]
+__all__ = ["TinyGPT", "TinyGPTConfig", "init_variables"]
 
 # Flax's Dense defaults, annotated as jattn's attention projections are (Megatron-style):
 # the hidden units split over the 'model' mesh axis, mlp_in by columns, mlp_out by rows.
-_mlp_in_init, _mlp_out_init = (
-    mu.tensor_parallel_inits(
-        nn.with_partitioning,
-        nn.initializers.lecun_normal(),
-        nn.initializers.zeros_init(),
-        MODEL_AXIS,
-        split,
-    )
-    for split in ("columns", "rows")
+# kernel [d_in, d_out] and bias [d_out]
+_mlp_in_init = (
+    nn.with_partitioning(nn.initializers.lecun_normal(), (None, MODEL_AXIS)),
+    nn.with_partitioning(nn.initializers.zeros_init(), (MODEL_AXIS,)),
+)
+_mlp_out_init = (
+    nn.with_partitioning(nn.initializers.lecun_normal(), (MODEL_AXIS, None)),
+    nn.with_partitioning(nn.initializers.zeros_init(), (None,)),
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class TinyGPTConfig:
     """Sizes of the tiny GPT (frozen, so it can be a static jit argument).
 
     Attributes:
@@ -94,7 +92,7 @@ class GPTConfig:
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: attention then MLP, each added to the residual."""
 
-    config: GPTConfig
+    config: TinyGPTConfig
     decode: bool = False
 
     @nn.compact
@@ -147,7 +145,7 @@ class TinyGPT(nn.Module):
     :class:`jattn.generate.LinenDecodeFn` wraps it for :func:`jattn.generate.generate`.
     """
 
-    config: GPTConfig
+    config: TinyGPTConfig
     decode: bool = False
 
     @nn.compact
@@ -202,7 +200,7 @@ class TinyGPT(nn.Module):
         return nn.Dense(cfg.vocab_size, use_bias=False, name="head")(x_BxTxD)
 
 
-def init_variables(config: GPTConfig, key: jax.Array) -> dict:
+def init_variables(config: TinyGPTConfig, key: jax.Array) -> dict:
     """Initial ``{'params': ...}`` of :class:`TinyGPT`; independent of ``config.causal``.
 
     Plain arrays: the sharding annotations are unboxed (``nn.get_partition_spec`` of

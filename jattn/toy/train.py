@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from jattn.toy import parallel
 from jattn.toy.data import stream_key
-from jattn.toy.model import GPTConfig, TinyGPT, init_variables
+from jattn.toy.model import TinyGPT, TinyGPTConfig, init_variables
 
 __all__ = [
     "Checkpointer",
@@ -233,13 +233,13 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def _shared(model_cfg: GPTConfig) -> GPTConfig:
+def _shared(model_cfg: TinyGPTConfig) -> TinyGPTConfig:
     # Neither the mask nor the dropout rate has parameters: runs that differ only in
     # those share one initializer and one set of shardings.
     return dataclasses.replace(model_cfg, causal=True, dropout=0.0)
 
 
-def _fresh_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
+def _fresh_state(model_cfg: TinyGPTConfig, cfg: TrainConfig) -> TrainState:
     params = init_variables(model_cfg, stream_key(cfg.seed, "init"))["params"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -250,7 +250,7 @@ def _fresh_state(model_cfg: GPTConfig, cfg: TrainConfig) -> TrainState:
 
 
 @functools.cache
-def state_shardings(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> TrainState:
+def state_shardings(model_cfg: TinyGPTConfig, cfg: TrainConfig, mesh: Mesh) -> TrainState:
     """How each array of the :class:`TrainState` is split over ``mesh``.
 
     Parameters as :class:`jattn.toy.model.TinyGPT` annotates them (the ``model`` axis
@@ -279,7 +279,7 @@ def state_shardings(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> Train
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
 
 
-def init_state(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
+def init_state(model_cfg: TinyGPTConfig, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
     """Step 0: initial parameters from the seed's ``init`` stream and a fresh optimizer.
 
     Created directly in its shardings on ``mesh`` (default: the 1x1 mesh of the default
@@ -291,7 +291,9 @@ def init_state(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh | None = None)
 
 
 @functools.cache
-def _initializer(model_cfg: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> Callable[[], TrainState]:
+def _initializer(
+    model_cfg: TinyGPTConfig, cfg: TrainConfig, mesh: Mesh
+) -> Callable[[], TrainState]:
     # Jitted: one compilation instead of one per initializer op; every process computes
     # the same values and keeps the shards of its own devices.
     return jax.jit(
