@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks
+from jattn import _checks, _util
 
 __all__ = [
     "Alibi",
@@ -109,11 +109,6 @@ def indices(batch_size: int, num_heads: int, q_len: int, kv_len: int, *, q_offse
     return b, h, q, kv
 
 
-def _expand4(x: Array) -> Array:
-    """Leading singleton axes up to rank 4 (explicit, for rank promotion 'raise')."""
-    return x.reshape((1,) * (4 - x.ndim) + x.shape)
-
-
 def apply_score_mod(score_mod: Callable, scores: Array) -> Array:
     """``score_mod`` applied to scores ``[batch..., H, Tq, Tk]`` (same shape and dtype).
 
@@ -122,7 +117,8 @@ def apply_score_mod(score_mod: Callable, scores: Array) -> Array:
     *batch, num_heads, q_len, kv_len = scores.shape
     n = math.prod(batch)
     flat = scores.reshape(n, num_heads, q_len, kv_len)
-    out = _expand4(jnp.asarray(score_mod(flat, *indices(n, num_heads, q_len, kv_len))))
+    out = jnp.asarray(score_mod(flat, *indices(n, num_heads, q_len, kv_len)))
+    out = _util.expand_rank(out, 4)
     return jnp.broadcast_to(out.astype(scores.dtype), flat.shape).reshape(scores.shape)
 
 
@@ -135,7 +131,7 @@ def evaluate_mask_mod(mask_mod: Callable, logits_shape: tuple[int, ...]) -> Arra
     """
     *batch, num_heads, q_len, kv_len = logits_shape
     n = math.prod(batch)
-    mask = _expand4(jnp.asarray(mask_mod(*indices(n, num_heads, q_len, kv_len))))
+    mask = _util.expand_rank(jnp.asarray(mask_mod(*indices(n, num_heads, q_len, kv_len))), 4)
     if mask.shape[0] == 1:
         return mask.reshape((1,) * len(batch) + mask.shape[1:])
     mask = jnp.broadcast_to(mask, (n, *mask.shape[1:]))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jattn._util import round_up
 from jattn.block_masks import EMPTY, FULL, PARTIAL
 from jattn.blockwise._config import Aux, Config
 from jattn.blockwise._mods import elementwise
@@ -211,7 +212,7 @@ def _evaluate_states(mask, consts, causal, n, num_heads, q_len, kv_len, block):
     ``n * num_heads * bq * kv_len`` booleans per row of tiles, or less: a mask that does not
     read ``b`` (``h``) is evaluated for one batch row (head))."""
     bq, bk = block
-    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    nq, nk = round_up(q_len, bq) // bq, round_up(kv_len, bk) // bk
     i32 = jnp.int32
     rows = n if mask is not None and mask.uses(0) else 1
     heads = num_heads if mask is not None and mask.uses(1) else 1
