@@ -204,3 +204,26 @@ def test_a_block_mask_spares_the_blockwise_call_its_evaluation():
     """Given a block mask that fits its tiles, the blockwise call only hoists the mask_mod
     (its tile states are the block mask's); the dense path evaluates it."""
     assert _block_mask_call_traces("blockwise") + 1 == _block_mask_call_traces("dense")
+
+
+# ----------------------------------------------------------------------------------------
+# A BlockMask checks itself where it is built
+# ----------------------------------------------------------------------------------------
+
+
+def test_a_block_mask_checks_itself_when_built():
+    mod = jattn.mods.causal()
+    good = jattn.block_mask(mod, q_len=20, block_q=8, block_k=8)  # 3 x 3 tiles
+    assert good.state.shape == (1, 1, 3, 3)
+    with pytest.raises(ValueError, match=r"state must be \[B\|1, H\|1, 3, 3\]"):
+        jattn.BlockMask(good.state[..., :2], mod, 20, 20, 8, 8)
+    with pytest.raises(TypeError, match="state must be int8"):
+        jattn.BlockMask(good.state.astype(jnp.int32), mod, 20, 20, 8, 8)
+    with pytest.raises(ValueError, match="block_q"):
+        jattn.BlockMask(good.state, mod, 20, 20, 0, 8)
+    with pytest.raises(TypeError, match="mask_mod must be the mask_mod"):
+        jattn.BlockMask(good.state, None, 20, 20, 8, 8)
+    # A pytree round trip (jit, tree_map with placeholders) rebuilds it without checks.
+    leaves, tree = jax.tree.flatten(good)
+    assert jax.tree.unflatten(tree, [None] * len(leaves)).state is None
+    assert jax.jit(lambda bm: bm)(good).state.shape == (1, 1, 3, 3)
