@@ -644,3 +644,19 @@ def test_first_occurrence_matches_numpy():
     ids = np.random.default_rng(0).integers(-3, 4, size=(3, 50)).astype(np.int32)
     expected = np.array([[list(row).index(x) for x in row] for row in ids])
     np.testing.assert_array_equal(_common.first_occurrence(jnp.asarray(ids)), expected)
+
+
+@pytest.mark.parametrize("name", kernels.KERNELS)
+def test_every_adapter_keeps_the_contract(name):
+    """The module-level names and signatures of :class:`jattn.kernels.Kernel`."""
+    import inspect
+
+    module = kernels.adapter(name)
+    assert module.NAME == name
+    assert isinstance(module.RETURNS_LSE, bool) and isinstance(module.LSE_HAS_GRADIENT, bool)
+    assert list(inspect.signature(module.available).parameters) == ["platform"]
+    assert list(inspect.signature(module.obstacle).parameters) == ["query"]
+    params = inspect.signature(module.attention).parameters
+    assert list(params) == ["q", "k", "v", "ops", "settings", "interpret"]
+    assert params["interpret"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert module.available("cpu") is False  # none runs natively on CPU (interpret mode)

@@ -470,3 +470,46 @@ def test_splash_takes_a_bare_softcap_and_kernels_refuse_other_modifiers(
     bf = qkv(t=128)
     assert route_of(monkeypatch, *bf, is_causal=True) == "cudnn"
     assert route_of(monkeypatch, *bf, is_causal=True, score_mod=cap) == "dense"
+
+
+# ----------------------------------------------------------------------------------------
+# The query every adapter reads, built once by the routing
+# ----------------------------------------------------------------------------------------
+
+
+def test_kernel_query_describes_the_call():
+    """``kernel_query`` turns a validated call into the adapters' static question."""
+    from jattn._call import DenseExtras, Operands, Settings
+
+    q, k, _ = qkv()
+    v = jnp.zeros((*k.shape[:-1], 16), k.dtype)
+    ids = jnp.zeros((2, 64), jnp.int32)
+    ops = Operands(scale=0.5, mask=MASK, q_lengths=RANGE, q_segments=ids, kv_segments=ids)
+    settings = Settings(is_causal=True, window=(4, 0), score_mod=mods.softcap(3.0))
+    query = _routing.kernel_query(
+        q, k, v, ops, settings, DenseExtras(), platform="tpu", interpret=False
+    )
+    assert isinstance(query, kernels.KernelQuery)
+    assert (query.platform, query.interpret) == ("tpu", False)
+    assert query.q_shape == q.shape and query.kv_shape == k.shape and query.v_head_dim == 16
+    assert query.dtype == q.dtype and query.is_causal and query.window == (4, 0)
+    assert query.has_mask and not query.has_bias and query.has_lengths and query.has_segments
+    assert not query.separate_kv_segments  # one array for queries and keys
+    assert not query.dropout and not query.return_weights and not query.return_residual
+    assert query.score_mod == mods.softcap(3.0) and query.mask_mod is None
+    assert not query.sinks and not query.block_mask and not query.traced_scale
+    assert query.default_precision and query.needs_dense is None
+    other = _routing.kernel_query(
+        q, k, v, ops._replace(kv_segments=ids + 1), Settings(precision="highest"),
+        DenseExtras(return_weights=True), platform="cpu", interpret=True,
+    )  # fmt: skip
+    assert other.separate_kv_segments and other.return_weights
+    assert not other.default_precision and not other.is_causal
+
+
+def test_lowering_platforms():
+    assert [_routing.lowering_platform(b) for b in ("cpu", "tpu")] == ["cpu", "tpu"]
+    if jax.default_backend() != "gpu":  # no GPU answers: CUDA, the GPU most have
+        assert _routing.lowering_platform("gpu") == "cuda"
+    else:
+        assert _routing.lowering_platform("gpu") in ("cuda", "rocm")

@@ -126,7 +126,6 @@ def attention(
     Returns:
       ``(out [batch..., Tq, H, D]`` in q's dtype, ``None)``.
     """
-    del interpret
     q3, batch_shape = _common.flatten_batch(q, 3)
     k3, _ = _common.flatten_batch(k, 3)
     v3, _ = _common.flatten_batch(v, 3)
