@@ -26,23 +26,12 @@ Array = jax.Array
 
 
 def _check_positive_int(value, name: str, cls_name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{cls_name}: {name} must be an int, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{cls_name}: {name} must be >= 1, got {value}.")
-    return int(value)
+    return _checks.size(value, name, where=f"{cls_name}: ")
 
 
 def check_dropout(dropout, cls_name: str) -> float:
     """Validates a dropout rate: a number in [0, 1) (the probability of *dropping*)."""
-    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
-        raise TypeError(f"{cls_name}: dropout must be a float in [0, 1), got {dropout!r}.")
-    if not 0.0 <= float(dropout) < 1.0:
-        raise ValueError(
-            f"{cls_name}: dropout must be in [0, 1), got {dropout}. It is the probability of "
-            "dropping an attention weight (0.0 = no dropout); use deterministic=True to switch "
-            "dropout off at inference."
-        )
+    _checks.rate(dropout, "dropout", where=f"{cls_name}: ")
     return float(dropout)
 
 
@@ -307,11 +296,6 @@ class HeadConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def resolve_causal(is_causal, causal, cls_name: str) -> bool:
-    """``is_causal``, or the deprecated ``causal=`` when given (with a DeprecationWarning)."""
-    return _checks.renamed(is_causal, causal, "is_causal", "causal", cls_name)
-
-
 def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):
     """A projection's ``(kernel_init, bias_init)``, annotated for tensor parallelism.
 
@@ -328,15 +312,10 @@ def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis,
         no annotation, the parameter tree is plain arrays).
       split: ``'columns'`` or ``'rows'``.
 
-    Raises:
-      TypeError: ``model_axis`` not a string or None.
+    ``model_axis`` was checked by :class:`ModuleConfig`.
     """
     if model_axis is None:
         return kernel_init, bias_init
-    if not isinstance(model_axis, str):
-        raise TypeError(
-            f"model_axis must be the name of a mesh axis (a str) or None, got {model_axis!r}."
-        )
     # kernel [d_in, d_out] and bias [d_out]
     if split == "columns":
         kernel_names, bias_names = (None, model_axis), (model_axis,)
@@ -418,9 +397,10 @@ def missing_key_error(cls_name: str, api: str) -> ValueError:
         )
     else:
         ways = (
-            "pass `rngs=nnx.Rngs(dropout=seed)` (or any nnx.Rngs) to the constructor so the "
-            "module keeps a dropout stream, or pass `rngs=` (an nnx.Rngs, RngStream or key) to "
-            "the call"
+            "build the module with an nnx.Rngs that has a `dropout` (or `default`) stream, "
+            "e.g. `rngs=nnx.Rngs(params=0, dropout=1)` or `nnx.Rngs(0)` (an nnx.Rngs with only "
+            "a `params` stream keeps no dropout key), so it keeps a dropout stream; or pass "
+            "`rngs=` (an nnx.Rngs, RngStream or key) to the call"
         )
     return ValueError(
         f"{cls_name}: dropout is active (rate > 0, deterministic=False) but no random key was "

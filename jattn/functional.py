@@ -15,16 +15,18 @@ imports Flax (the dense path imports it lazily only to *sow* weights into a modu
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, _prng, _routing, dense
+from jattn import _checks, _prng, _routing, dense, masks
 from jattn._call import DenseExtras, Operands, Settings
 
 __all__ = [
+    "CausalAlignmentWarning",
     "dot_product_attention",
     "dot_product_attention_weights",
     "dropout",
@@ -35,6 +37,31 @@ __all__ = [
 Array = jax.Array
 BroadcastDropout = bool | Literal["batch", "heads"]
 Implementation = Literal["dense", "xla", "blockwise", "cudnn", "pallas_triton", "splash"]
+
+
+class CausalAlignmentWarning(UserWarning):
+    """``is_causal=True`` with fewer queries than keys: the mask is aligned top-left.
+
+    Query ``i`` then sees keys ``0 ... i`` (as ``jax.nn`` and ``torch``), not the last
+    keys, which a decoding query (the newest position) needs. Pass the mask that says
+    which alignment is meant instead: ``mask=jattn.causal_mask(q_len, kv_len,
+    offset=kv_len - q_len)`` (bottom-right) or ``mask=jattn.causal_mask(q_len, kv_len)``
+    (top-left); or filter this class with :mod:`warnings`.
+    """
+
+
+def _warn_top_left(q_len: int, kv_len: int) -> None:
+    warnings.warn(
+        CausalAlignmentWarning(
+            f"is_causal=True with fewer queries ({q_len}) than keys ({kv_len}) aligns the "
+            "causal mask top-left, as jax.nn and torch do: query i sees keys 0..i, so a query "
+            "for the newest position (a decoding step, q[:, -1:]) sees only the first key. "
+            "If the queries are the last q_len positions pass mask=jattn.causal_mask(q_len, "
+            "kv_len, offset=kv_len - q_len) (bottom-right), or decode with jattn.kvcache; to "
+            "keep top-left without this warning pass mask=jattn.causal_mask(q_len, kv_len)."
+        ),
+        stacklevel=4,
+    )
 
 
 def _dropout_active(rate, deterministic: bool) -> bool:
@@ -54,7 +81,9 @@ def _cast_inputs(arrays, dtype, promote_dtype):
             )
         arrays = tuple(promote_dtype(tuple(arrays), dtype=dtype))
         names = ("query", "key", "value")[: len(arrays)]
-        arrays = tuple(_checks.float_array(x, n) for x, n in zip(arrays, names, strict=True))
+        arrays = tuple(
+            _checks.float_array(x, n, tokens=True) for x, n in zip(arrays, names, strict=True)
+        )
         if len({x.dtype for x in arrays}) != 1:
             raise TypeError(
                 "promote_dtype must return arrays of one dtype, got "
@@ -81,6 +110,8 @@ def _operands_and_settings(
     _checks.flag(return_residual, "return_residual")
     shared = _checks.broadcast_dropout(broadcast_dropout)  # validated even when dropout is off
     batch, q_len, kv_len = logits_shape[:-3], logits_shape[-2], logits_shape[-1]
+    if is_causal and q_len < kv_len:
+        _warn_top_left(q_len, kv_len)
     q_segments, kv_segments = _checks.segment_ids(
         query_segment_ids, key_value_segment_ids, batch, q_len, kv_len
     )
@@ -390,8 +421,21 @@ def dot_product_attention(
         attn_weights_value_einsum=attn_weights_value_einsum,
     )
     out, weights, residual = _routing.run(implementation, query, key, value, ops, settings, extras)
+    if residual is not None:
+        residual = _residual_in(residual, query.dtype)
     extra_outputs = [x for x in (weights, residual) if x is not None]
     return (out, *extra_outputs) if extra_outputs else out
+
+
+def _residual_in(lse: Array, dtype) -> Array:
+    """Every path's float32 log-sum-exp in the input dtype, as ``jax.nn`` returns it.
+
+    Rows that attend nothing hold float32's large negative, which float16 cannot hold:
+    clipped to the dtype's own first, so they stay finite.
+    """
+    if lse.dtype == dtype:
+        return lse
+    return jnp.maximum(lse, masks.large_negative(dtype).astype(lse.dtype)).astype(dtype)
 
 
 def dot_product_attention_weights(
@@ -521,7 +565,7 @@ def dropout(
 
 
 def _check_tokens(inputs) -> Array:
-    inputs = _checks.float_array(inputs, "inputs")
+    inputs = _checks.float_array(inputs, "inputs", tokens=True)
     if inputs.ndim < 2:
         raise ValueError(
             f"inputs must have shape [batch..., num_tokens, d] (rank >= 2), got {inputs.shape}."

@@ -97,7 +97,7 @@ default_bias_init = nn.initializers.zeros_init()
 v1_kernel_init = nn.initializers.uniform(1.0)
 
 
-class _Projections(nn.Module):
+class _Attention(nn.Module):
     """Keyword-only attributes of every class: numerics and initializers."""
 
     _: dataclasses.KW_ONLY
@@ -182,14 +182,12 @@ class _Projections(nn.Module):
         return queries, keys, values
 
 
-class _Dropout(_Projections):
+class _DropoutAttention(_Attention):
     """Keyword-only attributes of the classes with a causal mask and dropout."""
 
     _: dataclasses.KW_ONLY
     is_causal: bool = True
     """jattn extension: False drops the causal mask (a "leaky" model, for demonstrations)."""
-    causal: bool | None = None
-    """Deprecated name of ``is_causal``."""
     deterministic: bool | None = None
     """True: no dropout (inference). The call argument wins over this attribute."""
     broadcast_dropout: bool | str = False
@@ -197,17 +195,13 @@ class _Dropout(_Projections):
     decode: bool = False
     """Decode with a KV cache in the ``cache`` collection (see the module docstring)."""
 
-    def __post_init__(self):
-        mu.resolve_causal(self.is_causal, self.causal, type(self).__name__)  # warns if old name
-        super().__post_init__()
-
     @property
     def config(self) -> mu.ModuleConfig:
         """The attention options of this module."""
         return mu.ModuleConfig(
             type(self).__name__,
             dropout=self.dropout,
-            is_causal=self.is_causal if self.causal is None else self.causal,
+            is_causal=self.is_causal,
             broadcast_dropout=self.broadcast_dropout,
             **self._numerics(),
         )
@@ -264,7 +258,7 @@ class _Dropout(_Projections):
         return False, dropout_rng
 
 
-class SelfAttentionV1(_Projections):
+class SelfAttentionV1(_Attention):
     """The book's ``SelfAttention_v1``: raw weight matrices, no mask, no dropout.
 
     ``softmax(q kᵀ / sqrt(d_out)) v`` with ``q = x @ W_query`` etc.
@@ -344,7 +338,7 @@ class SelfAttentionV2(SelfAttentionV1):
         )
 
 
-class CausalAttention(_Dropout):
+class CausalAttention(_DropoutAttention):
     """The book's ``CausalAttention``: one head, causal mask, dropout on the weights.
 
     No output projection. ``d_in`` is inferred from the input.
@@ -415,7 +409,7 @@ class CausalAttention(_Dropout):
         )
 
 
-class MultiHeadAttentionWrapper(_Dropout):
+class MultiHeadAttentionWrapper(_DropoutAttention):
     """The book's ``MultiHeadAttentionWrapper``: ``num_heads`` CausalAttention heads, concatenated.
 
     Output width ``num_heads * d_out``. The heads are the submodules ``heads_0``,
@@ -497,7 +491,7 @@ class MultiHeadAttentionWrapper(_Dropout):
         return mu.concat_heads(outs, return_weights)
 
 
-class MultiHeadAttention(_Dropout):
+class MultiHeadAttention(_DropoutAttention):
     """The book's ``MultiHeadAttention``: one Q/K/V projection each, split into heads.
 
     ``head_dim = d_out // num_heads``; the concatenated heads go through ``out_proj``

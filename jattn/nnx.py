@@ -149,11 +149,6 @@ class _DropoutAttention(_Attention):
     is_causal = property(lambda self: self.config.is_causal)
     broadcast_dropout = property(lambda self: self.config.broadcast_dropout)
 
-    @property
-    def causal(self) -> bool:
-        """Deprecated name of :attr:`is_causal`."""
-        return mu.resolve_causal(None, self.is_causal, type(self).__name__)
-
     def init_cache(self, input_shape, dtype: Any = jnp.float32, *, rolling: bool = False) -> None:
         """Creates an empty KV cache for ``decode=True`` calls (and resets a filled one).
 
@@ -383,7 +378,6 @@ class CausalAttention(_DropoutAttention):
       dropout: probability of dropping an attention weight, in [0, 1).
       qkv_bias: add a bias to the three projections.
       is_causal: jattn extension: False drops the causal mask (a "leaky" model).
-      causal: deprecated name of ``is_causal``.
       deterministic: True: no dropout; None: decided by the call (or ``.train()/.eval()``).
       broadcast_dropout: axes sharing one dropout mask: False (independent, as the book),
         True, ``'batch'`` or ``'heads'``.
@@ -402,7 +396,6 @@ class CausalAttention(_DropoutAttention):
         qkv_bias: bool = False,
         *,
         is_causal: bool = True,
-        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -507,7 +500,6 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         qkv_bias: bool = False,
         *,
         is_causal: bool = True,
-        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -675,7 +667,6 @@ class MultiHeadAttention(_DropoutAttention):
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         is_causal: bool = True,
-        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -719,7 +710,7 @@ class MultiHeadAttention(_DropoutAttention):
         config = mu.ModuleConfig(
             name,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, name),
+            is_causal=is_causal,
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
