@@ -419,7 +419,7 @@ class CausalAttention(_DropoutAttention):
         config = mu.ModuleConfig(
             type(self).__name__,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
+            is_causal=is_causal,
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
@@ -525,7 +525,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         config = mu.ModuleConfig(
             type(self).__name__,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
+            is_causal=is_causal,
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
