@@ -7,12 +7,15 @@ does not depend on the Flax API lives here once, so the two APIs cannot drift ap
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import _checks, functional, kvcache, mods
 from jattn import rope as rope_lib
@@ -145,11 +148,13 @@ class ModuleConfig:
         _checks.flag(self.is_causal, f"{name}: is_causal")
         _checks.broadcast_dropout(self.broadcast_dropout)
         check_numerics(name, self.dtype, self.param_dtype, self.attention_implementation)
-        if self.model_axis is not None and not isinstance(self.model_axis, str):
-            raise TypeError(
-                f"model_axis must be the name of a mesh axis (a str) or None, got "
-                f"{self.model_axis!r}."
-            )
+        if self.model_axis is not None:
+            if not isinstance(self.model_axis, str):
+                raise TypeError(
+                    f"model_axis must be the name of a mesh axis (a str) or None, got "
+                    f"{self.model_axis!r}."
+                )
+            _check_no_user_annotations(self)
 
     def score_modifier(self):
         """The calls' ``score_mod``: ``score_mod``, then soft-capping (None: neither).
@@ -177,6 +182,30 @@ class ModuleConfig:
             "kernel_init": self.kernel_init,
             "bias_init": self.bias_init,
         }
+
+
+@functools.lru_cache(maxsize=64)
+def _annotated(init) -> bool:
+    """Whether an initializer carries sharding annotations (``nn.with_partitioning``,
+    ``nn.with_logical_partitioning``, ``nnx.with_partitioning``): it returns a box, not an
+    array. Called once per initializer on a ``[1, 1]`` shape."""
+    with jax.ensure_compile_time_eval():
+        out = init(jax.random.key(0), (1, 1), jnp.float32)
+    return not isinstance(out, (jax.Array, np.ndarray))
+
+
+def _check_no_user_annotations(config: ModuleConfig) -> None:
+    """``model_axis`` annotates every kernel and bias itself: refuse initializers that
+    already carry annotations rather than silently override them."""
+    for option in ("kernel_init", "bias_init"):
+        init = getattr(config, option)
+        if init is not None and _annotated(init):
+            raise ValueError(
+                f"{config.cls_name}: {option} carries sharding annotations and model_axis= "
+                f"would annotate the same parameters. Use one: model_axis={config.model_axis!r} "
+                "(Megatron-style heads, jattn's specs) or your own annotations with "
+                "model_axis=None (they then apply to every kernel, out_proj's included)."
+            )
 
 
 def _check_modifier_options(config: ModuleConfig) -> None:
@@ -322,6 +351,75 @@ def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis,
     else:
         kernel_names, bias_names = (model_axis, None), (None,)
     return with_partitioning(kernel_init, kernel_names), with_partitioning(bias_init, bias_names)
+
+
+# flax's attention-module keywords that jattn's classes spell the book's way.
+FLAX_KEYWORDS = {
+    "in_features": "d_in",
+    "qkv_features": "d_out (or num_heads * head_dim with head_dim=)",
+    "out_features": "d_out",
+    "dropout_rate": "dropout",
+    "use_bias": "qkv_bias (and out_bias)",
+    "normalize_qk": "qk_norm",
+    "attention_fn": "attention_implementation",
+    "in_kv_features": "nothing: jattn's modules are self-attention",
+}
+
+
+def flax_keyword_error(cls_name: str, given, signature: str) -> TypeError | None:
+    """The error for flax's keywords given to a jattn class, or None when there are none."""
+    flax_names = [name for name in given if name in FLAX_KEYWORDS]
+    if not flax_names:
+        return None
+    renames = "; ".join(f"{name} -> {FLAX_KEYWORDS[name]}" for name in flax_names)
+    return TypeError(
+        f"{cls_name} takes the book's arguments, not flax's: {cls_name}{signature}. "
+        f"flax's keywords map as {renames}. Unlike flax's attention modules it is causal by "
+        "default (is_causal=False for none) and its parameters are W_query, W_key, W_value, "
+        "out_proj (jattn.convert.from_flax_attention converts a flax checkpoint)."
+    )
+
+
+def refuse_flax_keywords(init):
+    """``init`` (a class's ``__init__``) that answers flax's keywords with
+    :func:`flax_keyword_error` instead of Python's bare "unexpected keyword argument"."""
+    params = inspect.signature(init).parameters.values()
+    positional = [
+        p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+        for p in params
+        if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"
+    ]
+    signature = f"({', '.join([*positional, '*', '...'])})"
+
+    @functools.wraps(init)
+    def init_refusing_flax_keywords(self, *args, **kwargs):
+        error = flax_keyword_error(type(self).__name__, kwargs, signature)
+        if error is not None:
+            raise error
+        init(self, *args, **kwargs)
+
+    return init_refusing_flax_keywords
+
+
+def out_proj_sharding(context: Array, model_axis: str | None):
+    """``out_sharding`` of the out projection on a mesh with explicit axes, else None.
+
+    ``context [batch..., T, H * head_dim]`` is split over ``model_axis`` on its features,
+    and so are the rows of ``out_proj``'s kernel: the product contracts a sharded axis,
+    which explicit sharding (``jax.make_mesh``'s default) refuses to guess about. The
+    output keeps the context's batch/token sharding with its features replicated (the
+    partial sums all-reduced), as Megatron's row-parallel layer. With automatic axes (or
+    no mesh) jax infers it: None.
+    """
+    if model_axis is None:
+        return None
+    sharding = getattr(jax.typeof(context), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    axis_types = getattr(mesh, "axis_types", ())
+    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return None
+    spec = (*sharding.spec, *(None,) * (context.ndim - len(sharding.spec)))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
 
 
 # ----------------------------------------------------------------------------------------

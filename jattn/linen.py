@@ -84,6 +84,8 @@ __all__ = [
     "MultiHeadAttentionWrapper",
     "SelfAttentionV1",
     "SelfAttentionV2",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
 ]
 
 Array = jax.Array
@@ -99,6 +101,11 @@ v1_kernel_init = nn.initializers.uniform(1.0)
 
 class _Attention(nn.Module):
     """Keyword-only attributes of every class: numerics and initializers."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:  # flax's keywords get a clear error, not Python's
+            cls.__init__ = mu.refuse_flax_keywords(cls.__dict__["__init__"])
 
     _: dataclasses.KW_ONLY
     dtype: Any = None
@@ -155,8 +162,9 @@ class _Attention(nn.Module):
             )
 
     def _dense(
-        self, features: int, name: str, use_bias: bool, model_axis=None, split="columns"
-    ) -> nn.Dense:
+        self, features: int, name: str, use_bias: bool, model_axis=None, split="columns",
+        out_sharding=None,
+    ) -> nn.Dense:  # fmt: skip
         # model_axis: annotate the kernel and bias for tensor parallelism (see mu).
         kernel_init, bias_init = mu.tensor_parallel_inits(
             nn.with_partitioning, self.kernel_init, self.bias_init, model_axis, split
@@ -169,6 +177,11 @@ class _Attention(nn.Module):
             precision=self.precision,
             kernel_init=kernel_init,
             bias_init=bias_init,
+            dot_general=(
+                None
+                if out_sharding is None
+                else functools.partial(jax.lax.dot_general, out_sharding=out_sharding)
+            ),
             name=name,
         )
 
@@ -681,5 +694,14 @@ class MultiHeadAttention(_DropoutAttention):
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]
-        out = self._dense(self.d_out, "out_proj", heads.out_bias, self.model_axis, "rows")(context)
+        sharding = mu.out_proj_sharding(context, self.model_axis)
+        out_proj = self._dense(
+            self.d_out, "out_proj", heads.out_bias, self.model_axis, "rows", sharding
+        )
+        out = out_proj(context)
         return (out, weights) if return_weights else out
+
+
+# The book's own class names, as printed in chapter 3.
+SelfAttention_v1 = SelfAttentionV1
+SelfAttention_v2 = SelfAttentionV2

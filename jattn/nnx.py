@@ -78,6 +78,8 @@ __all__ = [
     "MultiHeadAttentionWrapper",
     "SelfAttentionV1",
     "SelfAttentionV2",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
 ]
 
 Array = jax.Array
@@ -94,6 +96,11 @@ v1_kernel_init = nnx.initializers.uniform(1.0)
 class _Attention(nnx.Module):
     """What every class keeps: its :class:`jattn._module_utils.ModuleConfig` and a way to
     build its projections."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:  # flax's keywords get a clear error, not Python's
+            cls.__init__ = mu.refuse_flax_keywords(cls.__dict__["__init__"])
 
     def _init_config(self, config: mu.ModuleConfig, rngs) -> None:
         if not isinstance(rngs, nnx.Rngs):
@@ -831,5 +838,10 @@ class MultiHeadAttention(_DropoutAttention):
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]
-        out = self.out_proj(context)
+        out = self.out_proj(context, out_sharding=mu.out_proj_sharding(context, self.model_axis))
         return (out, weights) if return_weights else out
+
+
+# The book's own class names, as printed in chapter 3.
+SelfAttention_v1 = SelfAttentionV1
+SelfAttention_v2 = SelfAttentionV2
