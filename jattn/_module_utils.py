@@ -459,10 +459,26 @@ def check_tokens(x, cls_name: str, *, context_length: int | None = None, d_in: i
             f"{context_length} tokens or build the module with a larger context_length."
         )
     if d_in is not None and x.shape[-1] != d_in:
-        raise ValueError(
-            f"{cls_name}: x must have d_in = {d_in} features on its last axis, got shape {x.shape}."
-        )
+        raise d_in_error(cls_name, x.shape, d_in)
     return x
+
+
+def d_in_error(cls_name: str, shape: tuple[int, ...], d_in: int, *, params: bool = False):
+    """The ValueError for inputs whose last axis is not ``d_in``, saying so when the axes
+    look swapped (``[batch..., d_in, T]``); ``params``: ``d_in`` comes from the parameters."""
+    if params:
+        what = (
+            f"x has {shape[-1]} features on its last axis (shape {shape}), but the parameters "
+            f"were initialized for d_in = {d_in}."
+        )
+    else:
+        what = f"x must have d_in = {d_in} features on its last axis, got shape {shape}."
+    if shape[-2] == d_in:
+        what += (
+            f" Its axis -2 has {d_in}: is it [batch..., d_in, T]? jattn's modules take "
+            "[batch..., T, d_in], as the book's: pass jnp.swapaxes(x, -1, -2)."
+        )
+    return ValueError(f"{cls_name}: {what}")
 
 
 def resolve_deterministic(call, attribute, dropout: float, cls_name: str) -> bool:

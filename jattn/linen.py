@@ -156,10 +156,7 @@ class _Attention(nn.Module):
         w_query = nn.meta.unbox(self.get_variable("params", "W_query"))
         d_in = (w_query if hasattr(w_query, "shape") else w_query["kernel"]).shape[0]
         if x.shape[-1] != d_in:
-            raise ValueError(
-                f"{name}: x has {x.shape[-1]} features on its last axis (shape {x.shape}), but "
-                f"the parameters were initialized for d_in = {d_in}."
-            )
+            raise mu.d_in_error(name, x.shape, d_in, params=True)
 
     def _dense(
         self, features: int, name: str, use_bias: bool, model_axis=None, split="columns",
