@@ -1,4 +1,4 @@
-"""What the Linen and NNX modules share: argument checks, head reshapes, the one call into the core.
+"""What the Linen and NNX modules share: checks, head reshapes, the one call into the core.
 
 ``jattn.linen`` and ``jattn.nnx`` hold parameters and projections only; every step that
 does not depend on the Flax API lives here once, so the two APIs cannot drift apart.

@@ -1,66 +1,14 @@
 """Flax Linen modules for every attention form of chapter 3, with the book's names.
 
-Book (PyTorch) -> ``jattn.linen`` (parameter names):
-
-* ``SelfAttention_v1`` -> ``SelfAttentionV1(d_out)``: raw ``W_query, W_key, W_value``
-  ``[d_in, d_out]``.
-* ``SelfAttention_v2`` -> ``SelfAttentionV2(d_out, qkv_bias=False)``:
-  ``W_query/{kernel, bias}``, ``W_key/...``, ``W_value/...`` (bias only with qkv_bias).
-* ``CausalAttention`` -> ``CausalAttention(d_out, context_length, dropout, qkv_bias=False)``:
-  as v2.
-* ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_out, context_length,
-  dropout, num_heads, qkv_bias=False)``: ``heads_{i}/W_query/...`` (the book's
-  ``heads.{i}.W_query``).
-* ``MultiHeadAttention`` -> ``MultiHeadAttention(d_out, context_length, dropout, num_heads,
-  qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True, qk_norm=False,
-  qk_norm_eps=1e-6, rope=None, softcap=None, sinks=False, score_mod=None,
-  mask_mod=None)``: ``W_query``, ``W_key``, ``W_value``, ``out_proj`` (``{kernel,
-  bias}``), ``q_norm``/``k_norm`` (``{scale}``) with ``qk_norm``, and ``sinks`` with
-  ``sinks=True``. The keyword options after ``num_kv_heads`` are the book's Llama 3 /
-  Qwen3 attention (:mod:`jattn.models`) and score/mask modifiers (:mod:`jattn.mods`);
-  their defaults are chapter 3's class.
-
-``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
-the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
-:func:`jattn.convert.from_torch_state_dict` does the mapping.
-
-Conventions shared by every class:
-
-* Inputs ``x [batch..., num_tokens, d_in]`` with any number of batch dims (none included);
-  more tokens than ``context_length`` is a ValueError.
-* ``deterministic``: the call argument wins over the attribute (unlike
-  ``flax.linen.merge_param``, giving both is allowed, so a module built for training can be
-  evaluated with ``deterministic=True``). A module with ``dropout == 0`` needs neither; with
-  ``dropout > 0`` and neither given, the call raises a ValueError.
-* Dropout key: the ``dropout_rng=`` call argument if given, else ``self.make_rng('dropout')``
-  from ``module.apply(..., rngs={'dropout': key})`` (flax folds the module path in, so each
-  head of the wrapper gets its own key). Active dropout with neither raises a ValueError.
-  Dropout zeroes attention *weights* independently per example and head (as the book's
-  ``nn.Dropout``); ``broadcast_dropout=True`` shares one mask (flax's default).
-* Attention weights ``[batch..., num_heads, T, T]`` (``num_heads = 1`` for the single-head
-  classes), taken before dropout: returned with ``return_weights=True`` (the call returns
-  ``(output, weights)``) or sown into ``intermediates/attention_weights`` with
-  ``sow_weights=True`` (``apply(..., mutable=['intermediates'])``).
-* ``is_causal`` (a jattn extension, not in the book; ``causal`` is its deprecated name):
-  ``is_causal=False`` drops the causal mask, giving a "leaky" model whose outputs depend on
-  future tokens; the training demo uses it to show what the mask prevents.
-* ``decode=True`` (CausalAttention, the wrapper, MultiHeadAttention): autoregressive
-  decoding with a KV cache (:mod:`jattn.kvcache`), flax's way. ``init`` with an input
-  ``[batch..., capacity, d_in]`` creates the ``cache`` collection (``kv``: keys, values
-  and the filled length of each row; the wrapper has one per head) and returns the plain
-  forward pass; then ``apply({'params': p, 'cache': c}, chunk, mutable=['cache'])`` with
-  chunks of any length (a prompt, then one token at a time) appends to it and attends over
-  everything cached, causally per row. ``num_new=[batch...]`` says how many tokens of each
-  row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
-  ValueError in eager calls; under jit see :mod:`jattn.kvcache`. A rolling cache
-  (sliding-window attention over the last ``capacity`` tokens, no overflow) is a
-  ``cache`` collection whose ``kv`` is ``jattn.kvcache.init_cache(batch, capacity,
-  kv_heads, head_dim, rolling=True)``. With ``rope``, decoded tokens are rotated at each
-  row's cache length onward.
-* ``attention_implementation`` (every class): the core's ``implementation``. The default
-  (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
-  forward-mode autodiff; ``jax.jvp`` of an already jitted apply needs
-  ``attention_implementation='dense'`` (see :func:`jattn.dot_product_attention`).
+``SelfAttentionV1`` (also ``SelfAttention_v1``), ``SelfAttentionV2`` (``SelfAttention_v2``),
+``CausalAttention``, ``MultiHeadAttentionWrapper`` and ``MultiHeadAttention`` take the
+book's arguments without ``d_in`` (Linen infers it) and keep the book's parameter names
+(``W_query``, ``W_key``, ``W_value``, ``out_proj``, ``heads_{i}``). Each class documents
+its attributes and call; the modules guide (``docs/guides/modules.md``) gives the
+conventions they share (``deterministic``, the dropout key, returned and sown weights,
+``is_causal``), the decoding guide ``decode=True`` with its ``cache`` collection, the
+fast-path guide the automatic ``attention_implementation``, and
+:func:`jattn.convert.from_torch_state_dict` loads the book's weights.
 """
 
 from __future__ import annotations
