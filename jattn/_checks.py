@@ -339,9 +339,10 @@ def mask_array(value, name: str = "mask") -> Array:
       fractional values) is refused: that mask means "add me to the logits".
     * The book's causal buffer ``triu(ones(T, T), diagonal=1)`` (True = *hide*) is refused:
       read as True = attend it hides the diagonal and shows only later keys. The rule:
-      its last two axes are square, ``T >= 2``, and every ``[T, T]`` slice is exactly
+      its last two axes are square, ``T >= 4``, and every ``[T, T]`` slice is exactly
       ``j > i``. No mask that lets a query see itself trips it, nor an all-False mask,
-      nor one with ``q_len != kv_len``.
+      nor one with ``q_len != kv_len``; from 4 tokens on a random mask matches it with
+      odds below 1e-4 (the book's buffers are ``context_length`` long).
 
     Both read values, so they run on host values only (:func:`is_host_value`, as every
     value check here): traced masks, and device arrays on GPU/TPU, are taken as given.
@@ -379,7 +380,7 @@ def _zeros_and_ones(value: Array, name: str) -> None:
 
 
 def _not_book_buffer(value: Array, name: str) -> None:
-    if value.ndim < 2 or value.shape[-1] != value.shape[-2] or value.shape[-1] < 2:
+    if value.ndim < 2 or value.shape[-1] != value.shape[-2] or value.shape[-1] < 4:
         return
     if not is_host_value(value):
         return

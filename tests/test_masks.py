@@ -153,7 +153,7 @@ def test_combine_masks_reads_masks_as_dot_product_attention_does():
     with pytest.raises(ValueError, match="additive mask"):
         masks.combine_masks(np.where(causal, 0.0, -np.inf))
     with pytest.raises(ValueError, match="book's causal buffer"):
-        masks.combine_masks(np.triu(np.ones((3, 3), np.float32), 1))
+        masks.combine_masks(np.triu(np.ones((4, 4), np.float32), 1))
 
 
 def test_combine_masks_errors():
