@@ -511,10 +511,10 @@ def missing_key_error(cls_name: str, api: str) -> ValueError:
         )
     else:
         ways = (
-            "build the module with an nnx.Rngs that has a `dropout` (or `default`) stream, "
-            "e.g. `rngs=nnx.Rngs(params=0, dropout=1)` or `nnx.Rngs(0)` (an nnx.Rngs with only "
-            "a `params` stream keeps no dropout key), so it keeps a dropout stream; or pass "
-            "`rngs=` (an nnx.Rngs, RngStream or key) to the call"
+            "pass `rngs=nnx.Rngs(dropout=seed)` to the constructor (any nnx.Rngs with a "
+            "`dropout` or `default` stream: nnx.Rngs(params=0) has neither, so the module "
+            "kept no dropout stream), or pass `rngs=` (an nnx.Rngs, RngStream or key) to the "
+            "call"
         )
     return ValueError(
         f"{cls_name}: dropout is active (rate > 0, deterministic=False) but no random key was "

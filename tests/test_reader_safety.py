@@ -202,7 +202,9 @@ def test_old_aliases_are_gone():
 def test_nnx_rngs_without_a_dropout_stream_is_named():
     module = jn.MultiHeadAttention(8, 8, 4, 0.1, 2, rngs=nnx.Rngs(params=0))
     module.train()
-    with pytest.raises(ValueError, match=r"`dropout` \(or `default`\) stream"):
+    with pytest.raises(
+        ValueError, match=r"`dropout` or `default` stream: nnx.Rngs\(params=0\) has neither"
+    ):
         module(jnp.ones((1, 4, 8)))
 
 
