@@ -128,7 +128,6 @@ class Kernel(Protocol):
 
     def attention(self, q, k, v, ops, settings, *, interpret: bool) -> tuple[Any, Any]: ...
 
-
 # The implementation names the adapters serve, as `implementation=` spells them.
 KERNELS = ("cudnn", "pallas_triton", "splash")
 
