@@ -9,6 +9,7 @@ import importlib
 from jattn import book, causality, masks, mods
 from jattn.block_masks import BlockMask, block_mask
 from jattn.functional import (
+    CausalAlignmentWarning,
     dot_product_attention,
     dot_product_attention_weights,
     dropout,
@@ -44,6 +45,7 @@ def __getattr__(name):
 
 __all__ = [
     "BlockMask",
+    "CausalAlignmentWarning",
     "block_mask",
     "book",
     "causal_mask",

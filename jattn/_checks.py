@@ -36,18 +36,22 @@ the dense path."""
 # ----------------------------------------------------------------------------------------
 
 
-def size(value, name: str, *, allow_zero: bool = False) -> int:
-    """Returns ``value`` as an int, or raises a clear error."""
+def size(value, name: str, *, allow_zero: bool = False, where: str = "") -> int:
+    """Returns ``value`` as an int, or raises a clear error (``where``: a message prefix,
+    e.g. ``'MultiHeadAttention: '``)."""
     try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
         n = operator.index(value)
     except TypeError:
         raise TypeError(
-            f"{name} must be a Python int (a static size), got {type(value).__name__} {value!r}. "
-            "Sizes decide array shapes, so they cannot be traced values; pass e.g. x.shape[-2]."
+            f"{where}{name} must be a Python int (a static size), got {type(value).__name__} "
+            f"{value!r}. Sizes decide array shapes, so they cannot be traced values; pass e.g. "
+            "x.shape[-2]."
         ) from None
     if n < 0 or (n == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{name} must be {bound}, got {n}.")
+        raise ValueError(f"{where}{name} must be {bound}, got {n}.")
     return n
 
 
@@ -71,16 +75,22 @@ def float_dtype(dtype, name: str = "dtype"):
     return dtype
 
 
-def float_array(x, name: str) -> Array:
-    """``x`` as a floating array (token ids and other integers are refused)."""
+def float_array(x, name: str, *, tokens: bool = False) -> Array:
+    """``x`` as a floating array; integers are refused (``tokens``: the array is one that
+    token ids get mistaken for, so the message says to embed them)."""
     if x is None:
         raise TypeError(f"{name} is required, got None.")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
+        fix = (
+            "Token ids must go through an embedding first; cast other arrays with "
+            "`.astype(jnp.float32)`."
+            if tokens
+            else "Cast it with `.astype(jnp.float32)`."
+        )
         raise TypeError(
             f"{name} must have a floating dtype (float32, bfloat16, float16, ...), got "
-            f"{x.dtype}. Token ids must go through an embedding first; cast other arrays "
-            f"with `.astype(jnp.float32)`."
+            f"{x.dtype}. {fix}"
         )
     return x
 
@@ -128,19 +138,20 @@ def in_range(x, name: str, low: int, high: int, hint: str = "") -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def rate(value, name: str = "dropout_rate") -> None:
+def rate(value, name: str = "dropout_rate", *, where: str = "") -> None:
     """A dropout rate: a number (or scalar array) in [0, 1); a traced rate passes."""
     if isinstance(value, jax.core.Tracer):
         return  # a traced rate cannot be checked; the caller chose it
-    if not isinstance(value, numbers.Real) and not (
-        isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0
+    if isinstance(value, (bool, np.bool_)) or not (
+        isinstance(value, numbers.Real)
+        or (isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0)
     ):
-        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}.")
+        raise TypeError(f"{where}{name} must be a float in [0, 1), got {value!r:.40}.")
     value = float(value)
     if not 0.0 <= value < 1.0:
         raise ValueError(
-            f"{name} must be in [0, 1), got {value}. It is the probability of *dropping* a "
-            "weight; use deterministic=True (or rate 0) to switch dropout off."
+            f"{where}{name} must be in [0, 1), got {value}. It is the probability of "
+            "*dropping* a weight; use deterministic=True (or rate 0) to switch dropout off."
         )
 
 
@@ -233,20 +244,6 @@ def window(value, name: str = "local_window_size", *, open_right: bool = False):
     return left, size(right, f"{name}[1] (right)", allow_zero=True)
 
 
-def renamed(new_value, old_value, new: str, old: str, where: str):
-    """The value of an argument whose old name is deprecated: warns when the old one is used."""
-    if old_value is None:
-        return new_value
-    import warnings
-
-    warnings.warn(
-        f"{where}: `{old}=` is deprecated, use `{new}=` (one name per idea across jattn).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old_value
-
-
 # ----------------------------------------------------------------------------------------
 # Arrays of an attention call
 # ----------------------------------------------------------------------------------------
@@ -254,9 +251,9 @@ def renamed(new_value, old_value, new: str, old: str, where: str):
 
 def qkv(query, key, value) -> tuple[Array, Array, Array]:
     """Query, key and value as float arrays ``[batch..., length, heads, head_dim]`` that fit."""
-    query = float_array(query, "query")
-    key = float_array(key, "key")
-    value = float_array(value, "value")
+    query = float_array(query, "query", tokens=True)
+    key = float_array(key, "key", tokens=True)
+    value = float_array(value, "value", tokens=True)
     expected = "[batch..., length, num_heads, head_dim]"
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim < 3:
@@ -305,12 +302,25 @@ def broadcasts(x: Array, target: tuple[int, ...], name: str) -> None:
         ok = np.broadcast_shapes(x.shape, target) == tuple(target)
     except ValueError:
         ok = False
-    if not ok:
+    if ok:
+        return
+    *_, num_heads, q_len, kv_len = target
+    if x.ndim >= 2 and x.shape[-2] == num_heads and x.shape[-2:] != (q_len, kv_len):
+        # The book's (PyTorch's) [batch, heads, T, head_dim] read as [batch, T, heads, ...]:
+        # the mask's query axis then matches what jattn takes for the head count.
         raise ValueError(
             f"{name} of shape {x.shape} does not broadcast to the attention logits shape "
-            f"[batch..., num_heads, q_len, kv_len] = {tuple(target)}. Add singleton axes "
-            f"(e.g. {name}[:, None, :, :]) for the dims it does not vary over."
+            f"[batch..., num_heads, q_len, kv_len] = {tuple(target)}, but its query axis "
+            f"({x.shape[-2]}) is the head count jattn read from query.shape[-2]: are query, "
+            "key and value in the book's (PyTorch's) [batch, heads, T, head_dim] layout? "
+            "jattn takes [batch..., T, heads, head_dim] (as jax.nn): pass "
+            "jnp.swapaxes(x, -3, -2) for each of them (and swap the output back)."
         )
+    raise ValueError(
+        f"{name} of shape {x.shape} does not broadcast to the attention logits shape "
+        f"[batch..., num_heads, q_len, kv_len] = {tuple(target)}. Add singleton axes "
+        f"(e.g. {name}[:, None, :, :]) for the dims it does not vary over."
+    )
 
 
 def bias(value, logits_shape: tuple[int, ...]) -> Array | None:
@@ -324,24 +334,77 @@ def bias(value, logits_shape: tuple[int, ...]) -> Array | None:
     return value
 
 
-def mask(value, logits_shape: tuple[int, ...]) -> Array | None:
-    """A boolean mask (True = attend) broadcastable to the logits; numeric masks count
-    nonzero as attend (flax builds float 0/1 masks). None passes."""
-    if value is None:
-        return None
+def mask_array(value, name: str = "mask") -> Array:
+    """A mask as a boolean array (True = attend), read by the rules of every jattn entry.
+
+    * Boolean masks pass; numeric masks must hold only 0 and 1 (flax's float masks), read
+      as ``!= 0``. Any other value (PyTorch's additive ``0 / -inf`` masks, negative or
+      fractional values) is refused: that mask means "add me to the logits".
+    * The book's causal buffer ``triu(ones(T, T), diagonal=1)`` (True = *hide*) is refused:
+      read as True = attend it hides the diagonal and shows only later keys. The rule:
+      its last two axes are square, ``T >= 4``, and every ``[T, T]`` slice is exactly
+      ``j > i``. No mask that lets a query see itself trips it, nor an all-False mask,
+      nor one with ``q_len != kv_len``; from 4 tokens on a random mask matches it with
+      odds below 1e-4 (the book's buffers are ``context_length`` long).
+
+    Both read values, so they run on host values only (:func:`is_host_value`, as every
+    value check here): traced masks, and device arrays on GPU/TPU, are taken as given.
+    """
     try:
         value = jnp.asarray(value)
     except TypeError:
         raise TypeError(
-            f"mask must be a boolean array (True = attend), got {type(value).__name__} "
+            f"{name} must be a boolean array (True = attend), got {type(value).__name__} "
             f"{value!r:.40}. Build one with jattn.causal_mask, or use is_causal=True."
         ) from None
     if value.dtype != jnp.bool_:
         if not (
             jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)
         ):
-            raise TypeError(f"mask must be boolean (True = attend), got dtype {value.dtype}.")
+            raise TypeError(f"{name} must be boolean (True = attend), got dtype {value.dtype}.")
+        _zeros_and_ones(value, name)
         value = value != 0
+    _not_book_buffer(value, name)
+    return value
+
+
+def _zeros_and_ones(value: Array, name: str) -> None:
+    if not is_host_value(value):
+        return
+    values = np.asarray(value)
+    if not np.isin(values, (0, 1)).all():
+        odd = values[~np.isin(values, (0, 1))].ravel()[0]
+        raise ValueError(
+            f"{name} holds values other than 0 and 1 (e.g. {odd}): it looks like an additive "
+            "mask (0 = attend, -inf or a large negative = hide, as PyTorch's SDPA takes). "
+            "jattn's masks are boolean, True = attend: pass `m == 0` as the mask, or pass the "
+            "additive mask as `bias=m`."
+        )
+
+
+def _not_book_buffer(value: Array, name: str) -> None:
+    if value.ndim < 2 or value.shape[-1] != value.shape[-2] or value.shape[-1] < 4:
+        return
+    if not is_host_value(value):
+        return
+    t = value.shape[-1]
+    hide_future = np.triu(np.ones((t, t), bool), k=1)
+    slices = np.asarray(value).reshape(-1, t, t)
+    if (slices[0] == hide_future).all() and (slices == hide_future).all():
+        raise ValueError(
+            f"{name} is the book's causal buffer triu(ones(T, T), diagonal=1), where True (1) "
+            "means *hide*. jattn's masks are True = attend, so it would let each query see "
+            "only later tokens. For causal attention pass is_causal=True (no mask needed); "
+            "for a mask of your own invert the buffer: `~buffer` (a 0/1 float buffer: "
+            "`buffer == 0`)."
+        )
+
+
+def mask(value, logits_shape: tuple[int, ...]) -> Array | None:
+    """A mask (:func:`mask_array`'s rules) broadcastable to the logits; None passes."""
+    if value is None:
+        return None
+    value = mask_array(value)
     broadcasts(value, logits_shape, "mask")
     return value
 

@@ -1,4 +1,4 @@
-"""What the Linen and NNX modules share: argument checks, head reshapes, the one call into the core.
+"""What the Linen and NNX modules share: checks, head reshapes, the one call into the core.
 
 ``jattn.linen`` and ``jattn.nnx`` hold parameters and projections only; every step that
 does not depend on the Flax API lives here once, so the two APIs cannot drift apart.
@@ -7,12 +7,15 @@ does not depend on the Flax API lives here once, so the two APIs cannot drift ap
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import _checks, functional, kvcache, mods
 from jattn import rope as rope_lib
@@ -26,23 +29,12 @@ Array = jax.Array
 
 
 def _check_positive_int(value, name: str, cls_name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{cls_name}: {name} must be an int, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{cls_name}: {name} must be >= 1, got {value}.")
-    return int(value)
+    return _checks.size(value, name, where=f"{cls_name}: ")
 
 
 def check_dropout(dropout, cls_name: str) -> float:
     """Validates a dropout rate: a number in [0, 1) (the probability of *dropping*)."""
-    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
-        raise TypeError(f"{cls_name}: dropout must be a float in [0, 1), got {dropout!r}.")
-    if not 0.0 <= float(dropout) < 1.0:
-        raise ValueError(
-            f"{cls_name}: dropout must be in [0, 1), got {dropout}. It is the probability of "
-            "dropping an attention weight (0.0 = no dropout); use deterministic=True to switch "
-            "dropout off at inference."
-        )
+    _checks.rate(dropout, "dropout", where=f"{cls_name}: ")
     return float(dropout)
 
 
@@ -156,11 +148,13 @@ class ModuleConfig:
         _checks.flag(self.is_causal, f"{name}: is_causal")
         _checks.broadcast_dropout(self.broadcast_dropout)
         check_numerics(name, self.dtype, self.param_dtype, self.attention_implementation)
-        if self.model_axis is not None and not isinstance(self.model_axis, str):
-            raise TypeError(
-                f"model_axis must be the name of a mesh axis (a str) or None, got "
-                f"{self.model_axis!r}."
-            )
+        if self.model_axis is not None:
+            if not isinstance(self.model_axis, str):
+                raise TypeError(
+                    f"model_axis must be the name of a mesh axis (a str) or None, got "
+                    f"{self.model_axis!r}."
+                )
+            _check_no_user_annotations(self)
 
     def score_modifier(self):
         """The calls' ``score_mod``: ``score_mod``, then soft-capping (None: neither).
@@ -188,6 +182,30 @@ class ModuleConfig:
             "kernel_init": self.kernel_init,
             "bias_init": self.bias_init,
         }
+
+
+@functools.lru_cache(maxsize=64)
+def _annotated(init) -> bool:
+    """Whether an initializer carries sharding annotations (``nn.with_partitioning``,
+    ``nn.with_logical_partitioning``, ``nnx.with_partitioning``): it returns a box, not an
+    array. Called once per initializer on a ``[1, 1]`` shape."""
+    with jax.ensure_compile_time_eval():
+        out = init(jax.random.key(0), (1, 1), jnp.float32)
+    return not isinstance(out, (jax.Array, np.ndarray))
+
+
+def _check_no_user_annotations(config: ModuleConfig) -> None:
+    """``model_axis`` annotates every kernel and bias itself: refuse initializers that
+    already carry annotations rather than silently override them."""
+    for option in ("kernel_init", "bias_init"):
+        init = getattr(config, option)
+        if init is not None and _annotated(init):
+            raise ValueError(
+                f"{config.cls_name}: {option} carries sharding annotations and model_axis= "
+                f"would annotate the same parameters. Use one: model_axis={config.model_axis!r} "
+                "(Megatron-style heads, jattn's specs) or your own annotations with "
+                "model_axis=None (they then apply to every kernel, out_proj's included)."
+            )
 
 
 def _check_modifier_options(config: ModuleConfig) -> None:
@@ -307,11 +325,6 @@ class HeadConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def resolve_causal(is_causal, causal, cls_name: str) -> bool:
-    """``is_causal``, or the deprecated ``causal=`` when given (with a DeprecationWarning)."""
-    return _checks.renamed(is_causal, causal, "is_causal", "causal", cls_name)
-
-
 def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis, split: str):
     """A projection's ``(kernel_init, bias_init)``, annotated for tensor parallelism.
 
@@ -328,21 +341,85 @@ def tensor_parallel_inits(with_partitioning, kernel_init, bias_init, model_axis,
         no annotation, the parameter tree is plain arrays).
       split: ``'columns'`` or ``'rows'``.
 
-    Raises:
-      TypeError: ``model_axis`` not a string or None.
+    ``model_axis`` was checked by :class:`ModuleConfig`.
     """
     if model_axis is None:
         return kernel_init, bias_init
-    if not isinstance(model_axis, str):
-        raise TypeError(
-            f"model_axis must be the name of a mesh axis (a str) or None, got {model_axis!r}."
-        )
     # kernel [d_in, d_out] and bias [d_out]
     if split == "columns":
         kernel_names, bias_names = (None, model_axis), (model_axis,)
     else:
         kernel_names, bias_names = (model_axis, None), (None,)
     return with_partitioning(kernel_init, kernel_names), with_partitioning(bias_init, bias_names)
+
+
+# flax's attention-module keywords that jattn's classes spell the book's way.
+FLAX_KEYWORDS = {
+    "in_features": "d_in",
+    "qkv_features": "d_out (or num_heads * head_dim with head_dim=)",
+    "out_features": "d_out",
+    "dropout_rate": "dropout",
+    "use_bias": "qkv_bias (and out_bias)",
+    "normalize_qk": "qk_norm",
+    "attention_fn": "attention_implementation",
+    "in_kv_features": "nothing: jattn's modules are self-attention",
+}
+
+
+def flax_keyword_error(cls_name: str, given, signature: str) -> TypeError | None:
+    """The error for flax's keywords given to a jattn class, or None when there are none."""
+    flax_names = [name for name in given if name in FLAX_KEYWORDS]
+    if not flax_names:
+        return None
+    renames = "; ".join(f"{name} -> {FLAX_KEYWORDS[name]}" for name in flax_names)
+    return TypeError(
+        f"{cls_name} takes the book's arguments, not flax's: {cls_name}{signature}. "
+        f"flax's keywords map as {renames}. Unlike flax's attention modules it is causal by "
+        "default (is_causal=False for none) and its parameters are W_query, W_key, W_value, "
+        "out_proj (jattn.convert.from_flax_attention converts a flax checkpoint)."
+    )
+
+
+def refuse_flax_keywords(init):
+    """``init`` (a class's ``__init__``) that answers flax's keywords with
+    :func:`flax_keyword_error` instead of Python's bare "unexpected keyword argument"."""
+    params = inspect.signature(init).parameters.values()
+    positional = [
+        p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+        for p in params
+        if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"
+    ]
+    signature = f"({', '.join([*positional, '*', '...'])})"
+
+    @functools.wraps(init)
+    def init_refusing_flax_keywords(self, *args, **kwargs):
+        error = flax_keyword_error(type(self).__name__, kwargs, signature)
+        if error is not None:
+            raise error
+        init(self, *args, **kwargs)
+
+    return init_refusing_flax_keywords
+
+
+def out_proj_sharding(context: Array, model_axis: str | None):
+    """``out_sharding`` of the out projection on a mesh with explicit axes, else None.
+
+    ``context [batch..., T, H * head_dim]`` is split over ``model_axis`` on its features,
+    and so are the rows of ``out_proj``'s kernel: the product contracts a sharded axis,
+    which explicit sharding (``jax.make_mesh``'s default) refuses to guess about. The
+    output keeps the context's batch/token sharding with its features replicated (the
+    partial sums all-reduced), as Megatron's row-parallel layer. With automatic axes (or
+    no mesh) jax infers it: None.
+    """
+    if model_axis is None:
+        return None
+    sharding = getattr(jax.typeof(context), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    axis_types = getattr(mesh, "axis_types", ())
+    if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return None
+    spec = (*sharding.spec, *(None,) * (context.ndim - len(sharding.spec)))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
 
 
 # ----------------------------------------------------------------------------------------
@@ -382,10 +459,26 @@ def check_tokens(x, cls_name: str, *, context_length: int | None = None, d_in: i
             f"{context_length} tokens or build the module with a larger context_length."
         )
     if d_in is not None and x.shape[-1] != d_in:
-        raise ValueError(
-            f"{cls_name}: x must have d_in = {d_in} features on its last axis, got shape {x.shape}."
-        )
+        raise d_in_error(cls_name, x.shape, d_in)
     return x
+
+
+def d_in_error(cls_name: str, shape: tuple[int, ...], d_in: int, *, params: bool = False):
+    """The ValueError for inputs whose last axis is not ``d_in``, saying so when the axes
+    look swapped (``[batch..., d_in, T]``); ``params``: ``d_in`` comes from the parameters."""
+    if params:
+        what = (
+            f"x has {shape[-1]} features on its last axis (shape {shape}), but the parameters "
+            f"were initialized for d_in = {d_in}."
+        )
+    else:
+        what = f"x must have d_in = {d_in} features on its last axis, got shape {shape}."
+    if shape[-2] == d_in:
+        what += (
+            f" Its axis -2 has {d_in}: is it [batch..., d_in, T]? jattn's modules take "
+            "[batch..., T, d_in], as the book's: pass jnp.swapaxes(x, -1, -2)."
+        )
+    return ValueError(f"{cls_name}: {what}")
 
 
 def resolve_deterministic(call, attribute, dropout: float, cls_name: str) -> bool:
@@ -418,9 +511,10 @@ def missing_key_error(cls_name: str, api: str) -> ValueError:
         )
     else:
         ways = (
-            "pass `rngs=nnx.Rngs(dropout=seed)` (or any nnx.Rngs) to the constructor so the "
-            "module keeps a dropout stream, or pass `rngs=` (an nnx.Rngs, RngStream or key) to "
-            "the call"
+            "pass `rngs=nnx.Rngs(dropout=seed)` to the constructor (any nnx.Rngs with a "
+            "`dropout` or `default` stream: nnx.Rngs(params=0) has neither, so the module "
+            "kept no dropout stream), or pass `rngs=` (an nnx.Rngs, RngStream or key) to the "
+            "call"
         )
     return ValueError(
         f"{cls_name}: dropout is active (rate > 0, deterministic=False) but no random key was "

@@ -75,6 +75,7 @@ from flax import nnx
 from jattn import _checks
 
 __all__ = [
+    "from_flax_attention",
     "from_torch_state_dict",
     "linen_to_nnx",
     "nnx_to_linen",
@@ -962,9 +963,7 @@ def split_to_wrapper(
             f"variables['params'] must be MultiHeadAttention params; missing {missing}."
         )
     num_heads = _checks.size(num_heads, "num_heads")
-    num_kv_heads = (
-        num_heads if num_kv_heads is None else _checks.size(num_kv_heads, "num_kv_heads")
-    )
+    num_kv_heads = num_heads if num_kv_heads is None else _checks.size(num_kv_heads, "num_kv_heads")
     d_out = np.shape(params["W_query"]["kernel"])[-1]
     d_kv = np.shape(params["W_key"]["kernel"])[-1]
     if num_heads < 1 or d_out % num_heads:
@@ -988,3 +987,95 @@ def split_to_wrapper(
             for proj in _PROJECTIONS
         }
     return {"params": wrapper}, {"params": dict(params["out_proj"])}
+
+
+# ----------------------------------------------------------------------------------------
+# flax's attention modules -> MultiHeadAttention
+# ----------------------------------------------------------------------------------------
+
+_FLAX_PROJECTIONS = {"query": "W_query", "key": "W_key", "value": "W_value"}
+
+
+def _flax_params(params: Mapping) -> dict[str, dict[str, np.ndarray]]:
+    """``{'query': {'kernel': ..., 'bias'?: ...}, ...}`` as float numpy arrays."""
+    params = params.get("params", params) if isinstance(params, Mapping) else params
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            "params must be the parameters of flax's MultiHeadDotProductAttention (Linen: "
+            "variables['params']; NNX: nnx.to_pure_dict(nnx.state(module, nnx.Param))), got "
+            f"{type(params).__name__}."
+        )
+    extra = sorted(set(params) - {*_FLAX_PROJECTIONS, "out"})
+    if extra:
+        raise ValueError(
+            f"params has entries jattn's MultiHeadAttention has no place for: {extra}. "
+            "(flax's normalize_qk uses LayerNorm, jattn's qk_norm RMSNorm: they differ.)"
+        )
+    out = {}
+    for name in (*_FLAX_PROJECTIONS, "out"):
+        group = params.get(name)
+        if not isinstance(group, Mapping) or "kernel" not in group:
+            raise ValueError(
+                f"params needs '{name}/kernel' (flax's MultiHeadDotProductAttention has "
+                f"query, key, value and out), got keys {sorted(params)}."
+            )
+        out[name] = {k: to_numpy(v, f"{name}/{k}") for k, v in group.items()}
+    return out
+
+
+def from_flax_attention(params: Mapping) -> dict:
+    """Linen variables of :class:`jattn.linen.MultiHeadAttention` from flax's attention.
+
+    flax's ``nn.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` keep
+    ``query``, ``key``, ``value`` kernels ``[d_in, heads, head_dim]`` (biases ``[heads,
+    head_dim]``) and ``out`` ``[heads, head_dim, d_out]``; jattn's module keeps the same
+    weights flattened over ``(heads, head_dim)``, head ``h`` at features ``h * head_dim``
+    on (``W_query [d_in, heads * head_dim]``, ..., ``out_proj [heads * head_dim,
+    d_out]``), so the two compute the same function. Build the module to match flax's:
+    ``MultiHeadAttention(d_out, context_length, dropout, num_heads, qkv_bias=use_bias,
+    head_dim=head_dim, out_bias=use_bias, is_causal=False)`` (flax's modules have no causal
+    mask unless one is passed; jattn's are causal by default) and, for flax's dropout,
+    ``broadcast_dropout=True``. For NNX, load the result with :func:`linen_to_nnx`.
+
+    Args:
+      params: flax's parameters: Linen ``variables`` or ``variables['params']``, or NNX's
+        ``nnx.to_pure_dict(nnx.state(module, nnx.Param))``.
+
+    Returns:
+      ``{'params': {'W_query': {'kernel', 'bias'?}, 'W_key': ..., 'W_value': ...,
+      'out_proj': ...}}``.
+
+    Raises:
+      ValueError: a missing projection, entries jattn has no place for (flax's
+        ``normalize_qk`` LayerNorms), or kernels whose shapes disagree.
+    """
+    flax_params = _flax_params(params)
+    q_kernel = flax_params["query"]["kernel"]
+    if q_kernel.ndim != 3:
+        raise ValueError(
+            f"query/kernel must be [d_in, num_heads, head_dim], got shape {q_kernel.shape}."
+        )
+    d_in, num_heads, head_dim = q_kernel.shape
+    converted = {}
+    for name, target in _FLAX_PROJECTIONS.items():
+        group = flax_params[name]
+        if group["kernel"].shape[0] != d_in or group["kernel"].ndim != 3:
+            raise ValueError(
+                f"{name}/kernel must be [d_in={d_in}, num_kv_heads, head_dim={head_dim}] "
+                f"(self-attention), got shape {group['kernel'].shape}."
+            )
+        # [d_in, heads, head_dim] -> [d_in, heads * head_dim]; bias alike
+        converted[target] = {"kernel": group["kernel"].reshape(d_in, -1)}
+        if "bias" in group:
+            converted[target]["bias"] = group["bias"].reshape(-1)
+    out = flax_params["out"]
+    if out["kernel"].shape[:2] != (num_heads, head_dim):
+        raise ValueError(
+            f"out/kernel must be [num_heads={num_heads}, head_dim={head_dim}, d_out], got "
+            f"shape {out['kernel'].shape}."
+        )
+    # [heads, head_dim, d_out] -> [heads * head_dim, d_out]
+    converted["out_proj"] = {"kernel": out["kernel"].reshape(num_heads * head_dim, -1)}
+    if "bias" in out:
+        converted["out_proj"]["bias"] = out["bias"]
+    return {"params": converted}

@@ -1,30 +1,27 @@
 """The public attention functions: check the arguments once, pick an implementation, call it.
 
-Shapes follow ``jax.nn.dot_product_attention`` and ``flax.linen.dot_product_attention``:
-query ``[batch..., q_len, num_heads, head_dim]``, key/value
-``[batch..., kv_len, num_kv_heads, head_dim]`` with any number (zero included) of
-leading batch dims. Masks are boolean (True = attend) and broadcast to
-``[batch..., num_heads, q_len, kv_len]``.
-
-The layers below this one (:mod:`jattn.dense`, :mod:`jattn.blockwise`, the accelerator
-kernels) take the validated call as :class:`jattn._call.Operands` (arrays) and
-:class:`jattn._call.Settings` (static options) and re-check nothing. Nothing here
-imports Flax (the dense path imports it lazily only to *sow* weights into a module).
+:func:`dot_product_attention` documents the shapes and masks (the conventions guide,
+``docs/guides/conventions.md``, says why). The layers below this one take the validated
+call as :class:`jattn._call.Operands` (arrays) and :class:`jattn._call.Settings` (static
+options) and re-check nothing. Nothing here imports Flax (the dense path imports it
+lazily only to *sow* weights into a module).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, _prng, _routing, _util, dense
+from jattn import _checks, _prng, _routing, _util, dense, masks
 from jattn._call import DenseExtras, Operands, Settings
 
 __all__ = [
+    "CausalAlignmentWarning",
     "dot_product_attention",
     "dot_product_attention_weights",
     "dropout",
@@ -35,6 +32,31 @@ __all__ = [
 Array = jax.Array
 BroadcastDropout = bool | Literal["batch", "heads"]
 Implementation = _util.Implementation  # the one list of names
+
+
+class CausalAlignmentWarning(UserWarning):
+    """``is_causal=True`` with fewer queries than keys: the mask is aligned top-left.
+
+    Query ``i`` then sees keys ``0 ... i`` (as ``jax.nn`` and ``torch``), not the last
+    keys, which a decoding query (the newest position) needs. Pass the mask that says
+    which alignment is meant instead: ``mask=jattn.causal_mask(q_len, kv_len,
+    offset=kv_len - q_len)`` (bottom-right) or ``mask=jattn.causal_mask(q_len, kv_len)``
+    (top-left); or filter this class with :mod:`warnings`.
+    """
+
+
+def _warn_top_left(q_len: int, kv_len: int) -> None:
+    warnings.warn(
+        CausalAlignmentWarning(
+            f"is_causal=True with fewer queries ({q_len}) than keys ({kv_len}) aligns the "
+            "causal mask top-left, as jax.nn and torch do: query i sees keys 0..i, so a query "
+            "for the newest position (a decoding step, q[:, -1:]) sees only the first key. "
+            "If the queries are the last q_len positions pass mask=jattn.causal_mask(q_len, "
+            "kv_len, offset=kv_len - q_len) (bottom-right), or decode with jattn.kvcache; to "
+            "keep top-left without this warning pass mask=jattn.causal_mask(q_len, kv_len)."
+        ),
+        stacklevel=4,
+    )
 
 
 def _dropout_active(rate, deterministic: bool) -> bool:
@@ -54,7 +76,9 @@ def _cast_inputs(arrays, dtype, promote_dtype):
             )
         arrays = tuple(promote_dtype(tuple(arrays), dtype=dtype))
         names = ("query", "key", "value")[: len(arrays)]
-        arrays = tuple(_checks.float_array(x, n) for x, n in zip(arrays, names, strict=True))
+        arrays = tuple(
+            _checks.float_array(x, n, tokens=True) for x, n in zip(arrays, names, strict=True)
+        )
         if len({x.dtype for x in arrays}) != 1:
             raise TypeError(
                 "promote_dtype must return arrays of one dtype, got "
@@ -81,6 +105,8 @@ def _operands_and_settings(
     _checks.flag(return_residual, "return_residual")
     shared = _checks.broadcast_dropout(broadcast_dropout)  # validated even when dropout is off
     batch, q_len, kv_len = logits_shape[:-3], logits_shape[-2], logits_shape[-1]
+    if is_causal and q_len < kv_len:
+        _warn_top_left(q_len, kv_len)
     q_segments, kv_segments = _checks.segment_ids(
         query_segment_ids, key_value_segment_ids, batch, q_len, kv_len
     )
@@ -209,60 +235,27 @@ def dot_product_attention(
 ):
     """Scaled dot-product attention, ``softmax(q kᵀ / sqrt(head_dim)) v``, with masks and dropout.
 
-    Drop-in for ``jax.nn.dot_product_attention`` (same shapes, masks, mask options,
-    ``implementation`` names and ``return_residual``) and for ``flax.linen`` / ``flax.nnx``
-    ``dot_product_attention``, usable as ``attention_fn`` of their attention modules: it
-    takes every keyword they pass and honours each of them.
+    * **Shapes** as ``jax.nn`` and flax: query ``[batch..., q_len, num_heads, head_dim]``,
+      key/value ``[batch..., kv_len, num_kv_heads, head_dim]``. The book's PyTorch code
+      uses ``[batch, heads, T, head_dim]``: swap with ``jnp.swapaxes(x, -3, -2)``.
+    * **Masks** are boolean, True = attend (flax's float 0/1 masks too), broadcast to
+      ``[batch..., num_heads, q_len, kv_len]``. The book's buffer ``triu(ones, diagonal=1)``
+      (True = *hide*) and additive masks (0 / ``-inf``) are refused with the fix
+      (``is_causal=True``, ``~buffer``, ``bias=``); traced masks are taken as given.
+    * **is_causal=True** aligns the mask top-left (query ``i`` sees keys ``0 ... i``), as
+      ``jax.nn`` and torch: a decoding step (fewer queries than keys) needs
+      ``mask=jattn.causal_mask(q_len, kv_len, offset=kv_len - q_len)`` instead, and the
+      call warns (:class:`CausalAlignmentWarning`).
+    * **Dropout** drops attention weights with the explicit key ``dropout_rng``;
+      ``deterministic=True`` (inference) needs no key.
 
-    Implementations compute the same function (outputs and gradients agree to the rounding
-    of the dtype, ~1e-6 in float32, and dropout drops the same weights for the same key):
-
-    * ``'dense'`` (``'xla'`` is jax.nn's name for it): builds the ``[q_len, kv_len]``
-      weights, masks them and multiplies; memory grows as ``q_len * kv_len``.
-    * ``'blockwise'`` (FlashAttention-style, :mod:`jattn.blockwise`): streams the softmax
-      over key blocks, never computes a tile that the causal / window / length /
-      segment masks or an all-False tile of ``mask`` hide, and recomputes the tiles in a
-      custom backward pass; memory grows as ``q_len + kv_len``. Its custom VJP serves
-      reverse mode and forward-over-reverse (``jax.hessian``), not ``jax.jvp`` /
-      ``jax.jacfwd`` of the call itself nor ``jax.grad`` of ``jax.grad``.
-    * ``'cudnn'``: jax's cuDNN flash attention (``jax.nn.dot_product_attention(
-      implementation='cudnn')``): NVIDIA GPUs of compute capability >= 8.0, bfloat16 /
-      float16, head_dim a multiple of 8 up to 128 (256 on Hopper); causal, lengths, windows
-      that look left only (with ``is_causal`` or a window: q_len == kv_len); no segment
-      ids, no residual.
-    * ``'pallas_triton'``: the Pallas GPU (Triton) flash attention, forward and backward:
-      self-attention (q_len == kv_len), causal, lengths, one segment-id array, float16 /
-      bfloat16 / float32, ``return_residual``; no windows. K/V are repeated for GQA. Never
-      chosen automatically: jax's own GPU tests skip its backward on compute capability
-      >= 8.0 (precision issues), and jax 0.12 deprecates it.
-    * ``'splash'``: Pallas splash attention (TPUs): causal, windows, lengths, segment ids,
-      GQA/MQA without copies, bfloat16 / float32; no residual.
-
-    The kernels (:mod:`jattn.kernels`) keep jattn's semantics (masks True = attend, zero
-    output and gradients for rows that attend nothing, ``scale``, batch dims) and take no
-    dropout, ``mask`` or ``bias`` array, returned weights, flax einsum hooks, explicit
-    ``precision`` or float64. Off their own hardware the Pallas kernels run only in
-    interpret mode (slow, for tests), when asked for by name with the environment variable
-    ``JATTN_PALLAS_INTERPRET=1``.
-
-    ``implementation=None`` (automatic) takes, per backend, the first of these that pays off
-    and honours the call (``jattn._routing.AUTO``):
-
-    * GPU: ``'cudnn'``, then ``'blockwise'`` when ``q_len * kv_len >= 4096**2``, else
-      ``'dense'``;
-    * TPU: ``'splash'`` when ``q_len >= 128``, then ``'blockwise'`` when
-      ``q_len * kv_len >= 4096**2``, else ``'dense'``;
-    * CPU: ``'blockwise'`` when ``q_len`` and ``kv_len`` are both at least 256 (where it
-      measured faster, ``benchmarks/results.md``), else ``'dense'``; never a kernel.
-
-    ``'blockwise'`` is skipped when the call needs the weight matrix (``return_weights=True``,
-    ``module=``), has a traced ``scale`` or uses flax's einsum hooks. It takes a ``bias``
-    (sliced per tile, its gradient in its own shape) and the modifiers (``score_mod`` and
-    ``mask_mod`` per tile, ``sinks`` in each row's running softmax, a ``block_mask``'s tile
-    states for the schedule), so long calls with them run blockwise too.
-    Under forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) or nested reverse mode traced
-    around the call, ``'blockwise'`` is skipped too; only ``jax.jvp(jax.jit(f))``, whose jit
-    was traced beforehand, hides the transformation: pass ``implementation='dense'`` there.
+    A drop-in for ``jax.nn.dot_product_attention`` and flax's ``dot_product_attention``
+    (usable as ``attention_fn`` of flax's attention modules: it honours every keyword
+    they pass). ``implementation=None`` takes, per backend, the fastest path that honours
+    the call; every path computes the same function (outputs and gradients agree to the
+    dtype's rounding, and the same key drops the same weights). Which path runs when,
+    what each accelerator kernel takes, and autodiff on the fast paths: the fast-path
+    guide (``docs/guides/fast_path.md``).
 
     Args:
       query: ``[batch..., q_len, num_heads, head_dim]``.
@@ -272,7 +265,9 @@ def dot_product_attention(
       bias: optional float array broadcastable to ``[batch..., num_heads, q_len, kv_len]``,
         added to the scaled logits.
       mask: optional boolean array broadcastable to ``[batch..., num_heads, q_len, kv_len]``,
-        True = attend. Numeric masks (flax's float 0/1) count nonzero as True.
+        True = attend; numeric masks must hold only 0 and 1 (flax's float masks). Its
+        values are checked when they can be read without a device copy (not under
+        ``jit``, not on GPU/TPU): see above.
       is_causal: AND a causal mask (query ``i`` sees keys ``j <= i``, aligned top-left as
         ``torch.tril`` and ``jax.nn``). For bottom-right alignment (decoding) pass
         ``mask=jattn.causal_mask(q_len, kv_len, offset=kv_len - q_len)``.
@@ -287,8 +282,8 @@ def dot_product_attention(
       key_value_segment_ids: optional int ``[batch..., kv_len]``; defaults to
         ``query_segment_ids`` (self-attention).
       dropout_rate: probability of dropping an attention weight, in [0, 1).
-      dropout_rng: ``jax.random`` key; required when dropout is active. The mask is a
-        function of this key and each weight's position only (see :mod:`jattn._prng`).
+      dropout_rng: ``jax.random`` key; required when dropout is active. The dropout mask is
+        a function of this key and each weight's position only, the same on every path.
       deterministic: True for inference: no dropout, no key needed.
       broadcast_dropout: which axes share one dropout mask: ``False`` (default, independent
         per example and head, as ``torch.nn.Dropout`` in the book), ``True`` (one mask
@@ -300,9 +295,10 @@ def dot_product_attention(
         intermediates as ``attention_weights`` (as flax does).
       return_weights: also return the pre-dropout weights ``[batch..., H, q_len, kv_len]``.
       return_residual: also return the log-sum-exp of the scaled, masked logits,
-        ``[batch..., q_len, num_heads]`` (jax.nn's layout) in float32 (float64 for float64
-        inputs), differentiable; rows that attend nothing get :func:`jattn.large_negative`
-        (with ``sinks``: the log-sum-exp includes the sink, see Returns).
+        ``[batch..., q_len, num_heads]`` in the input dtype (as jax.nn: its layout and
+        dtype; computed in float32), differentiable; rows that attend nothing get
+        :func:`jattn.large_negative` of that dtype (with ``sinks``: the log-sum-exp
+        includes the sink, see Returns).
       force_fp32_for_softmax: as flax: the weights returned and sown are float32 (the
         softmax dtype) instead of ``dtype``. The softmax itself always runs in float32
         (float64 for float64 inputs).
@@ -314,9 +310,12 @@ def dot_product_attention(
       attn_weights_value_einsum: see above.
       promote_dtype: flax NNX's hook: ``promote_dtype((q, k, v), dtype=dtype)`` casts the
         inputs (default: jattn's promotion, the result dtype of q, k, v, or ``dtype``).
-      implementation: ``None`` (automatic, above), ``'dense'`` / ``'xla'``, ``'blockwise'``,
-        ``'cudnn'``, ``'pallas_triton'`` or ``'splash'``. One that cannot honour the call
-        raises a ValueError saying which option it lacks and what to use instead.
+      implementation: ``None`` (automatic), ``'dense'`` (``'xla'``: jax.nn's name for it;
+        every transformation, forward-mode autodiff included), ``'blockwise'``
+        (FlashAttention-style, memory ``q_len + kv_len``), or an accelerator kernel:
+        ``'cudnn'``, ``'pallas_triton'``, ``'splash'`` (the fast-path guide). One that
+        cannot honour the call raises a ValueError naming the option it lacks and what to
+        use instead.
       score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``,
         applied elementwise to the scaled logits ``scale * q·k`` before ``bias`` is added
         and before any mask (so a mask given as a large negative bias stays masked after,
@@ -390,8 +389,21 @@ def dot_product_attention(
         attn_weights_value_einsum=attn_weights_value_einsum,
     )
     out, weights, residual = _routing.run(implementation, query, key, value, ops, settings, extras)
+    if residual is not None:
+        residual = _residual_in(residual, query.dtype)
     extra_outputs = [x for x in (weights, residual) if x is not None]
     return (out, *extra_outputs) if extra_outputs else out
+
+
+def _residual_in(lse: Array, dtype) -> Array:
+    """Every path's float32 log-sum-exp in the input dtype, as ``jax.nn`` returns it.
+
+    Rows that attend nothing hold float32's large negative, which float16 cannot hold:
+    clipped to the dtype's own first, so they stay finite.
+    """
+    if lse.dtype == dtype:
+        return lse
+    return jnp.maximum(lse, masks.large_negative(dtype).astype(lse.dtype)).astype(dtype)
 
 
 def dot_product_attention_weights(
@@ -521,7 +533,7 @@ def dropout(
 
 
 def _check_tokens(inputs) -> Array:
-    inputs = _checks.float_array(inputs, "inputs")
+    inputs = _checks.float_array(inputs, "inputs", tokens=True)
     if inputs.ndim < 2:
         raise ValueError(
             f"inputs must have shape [batch..., num_tokens, d] (rank >= 2), got {inputs.shape}."

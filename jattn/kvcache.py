@@ -277,7 +277,8 @@ def _check_chunk(cache: AnyCache, key, value, num_new):
     For a :class:`KVCache` whose lengths can be read without a device-to-host copy, a chunk
     that does not fit raises here (see the module docstring for jit).
     """
-    key, value = _checks.float_array(key, "key"), _checks.float_array(value, "value")
+    key = _checks.float_array(key, "key", tokens=True)
+    value = _checks.float_array(value, "value", tokens=True)
     batch_shape, cap = cache.keys.shape[:-3], capacity(cache)
     for name, x, buf in (("key", key, cache.keys), ("value", value, cache.values)):
         if x.ndim != buf.ndim or x.shape[:-3] != batch_shape or x.shape[-2:] != buf.shape[-2:]:
@@ -354,20 +355,14 @@ def _rolling_append(cache: RollingKVCache, key, value, num_new: Array) -> Rollin
     )
 
 
-def _mask_options(is_causal, local_window_size, causal, window, where: str):
-    """``(is_causal, (left, right) or None)``, from the current names or the deprecated ones."""
-    is_causal = _checks.renamed(is_causal, causal, "is_causal", "causal", where)
+def _mask_options(is_causal, local_window_size, mask=None):
+    """``(is_causal, (left, right) or None, mask)``, checked (the mask as every entry reads
+    masks, :func:`jattn._checks.mask_array`)."""
     _checks.flag(is_causal, "is_causal")
-    if window is not None:
-        if local_window_size is not None:
-            raise TypeError(f"{where}: pass local_window_size only (window is its old name).")
-        local_window_size = (
-            _checks.renamed(None, window, "local_window_size", "window", where),
-            None,
-        )
+    mask = None if mask is None else _checks.mask_array(mask)
     if local_window_size is None:
-        return is_causal, None
-    return is_causal, _checks.window(local_window_size, open_right=True)
+        return is_causal, None, mask
+    return is_causal, _checks.window(local_window_size, open_right=True), mask
 
 
 def decode_mask(
@@ -379,8 +374,6 @@ def decode_mask(
     num_new=None,
     is_causal: bool = True,
     local_window_size: int | tuple[int, int | None] | None = None,
-    causal: bool | None = None,
-    window: int | None = None,
 ) -> Array:
     """The decoding mask of a chunk, per row: bool ``[batch..., 1, q_len, kv_len]``.
 
@@ -398,10 +391,8 @@ def decode_mask(
       is_causal: hide keys after the query's position.
       local_window_size: ``(left, right)`` keys visible before and after the query's
         position (``right`` may be None: no limit), or an int ``n`` for ``(n, n)``.
-      causal: deprecated name of ``is_causal``.
-      window: deprecated: ``window=n`` is ``local_window_size=(n, None)``.
     """
-    is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "decode_mask")
+    is_causal, window, _ = _mask_options(is_causal, local_window_size)
     lengths = jnp.asarray(lengths)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"lengths must hold integers (token counts), got dtype {lengths.dtype}.")
@@ -509,8 +500,6 @@ def attend(
     local_window_size: int | tuple[int, int | None] | None = None,
     score_mod=None,
     mask_mod=None,
-    causal: bool | None = None,
-    window: int | None = None,
     **attention_kwargs,
 ):
     """Attention of a chunk's queries over everything in ``cache`` (the chunk included).
@@ -540,8 +529,6 @@ def attend(
         end reads their last entry, as ``jnp`` indexing clamps).
       mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` at absolute
         positions, ANDed with the decoding mask.
-      causal: deprecated name of ``is_causal``.
-      window: deprecated: ``window=n`` is ``local_window_size=(n, None)``.
       **attention_kwargs: other keywords of :func:`jattn.dot_product_attention`
         (``scale``, ``sinks``, ``dtype``, ``precision``, ``dropout_rate``, ``dropout_rng``,
         ``deterministic``, ``broadcast_dropout``, ``module``, ``return_weights``, ...).
@@ -560,7 +547,7 @@ def attend(
             "overwritten keys the chunk's first queries need. Use update_and_attend(), which "
             "attends over the cache before the append plus the chunk."
         )
-    is_causal, window = _mask_options(is_causal, local_window_size, causal, window, "attend")
+    is_causal, window, mask = _mask_options(is_causal, local_window_size, mask)
     _check_attention_kwargs(attention_kwargs, "attend")
     query = _check_query(query, cache)
     starts = _check_starts(starts, cache.lengths.shape)
@@ -738,8 +725,6 @@ def update_and_attend(
     local_window_size: int | tuple[int, int | None] | None = None,
     score_mod=None,
     mask_mod=None,
-    causal: bool | None = None,
-    window: int | None = None,
     **attention_kwargs,
 ):
     """Appends a chunk's keys and values, then attends its queries: one decoding step.
@@ -749,7 +734,7 @@ def update_and_attend(
       query: ``[batch..., T, num_heads, head_dim]``.
       key: ``[batch..., T, num_kv_heads, head_dim]``.
       value: ``[batch..., T, num_kv_heads, v_head_dim]``.
-      num_new, mask, is_causal, local_window_size, score_mod, mask_mod, causal, window: as
+      num_new, mask, is_causal, local_window_size, score_mod, mask_mod: as
         :func:`attend` (``q_idx``/``kv_idx`` of the modifiers are absolute positions; with
         a rolling cache ``kv_idx`` is the position each slot holds, not the slot).
       **attention_kwargs: as :func:`attend` (``sinks=`` included).
@@ -761,9 +746,7 @@ def update_and_attend(
       ``mask`` and the weights have ``capacity + T`` keys.
     """
     cache = _check_cache(cache)
-    is_causal, window = _mask_options(
-        is_causal, local_window_size, causal, window, "update_and_attend"
-    )
+    is_causal, window, mask = _mask_options(is_causal, local_window_size, mask)
     _check_attention_kwargs(attention_kwargs, "update_and_attend")
     query = _check_query(query, cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)

@@ -1,66 +1,14 @@
 """Flax Linen modules for every attention form of chapter 3, with the book's names.
 
-Book (PyTorch) -> ``jattn.linen`` (parameter names):
-
-* ``SelfAttention_v1`` -> ``SelfAttentionV1(d_out)``: raw ``W_query, W_key, W_value``
-  ``[d_in, d_out]``.
-* ``SelfAttention_v2`` -> ``SelfAttentionV2(d_out, qkv_bias=False)``:
-  ``W_query/{kernel, bias}``, ``W_key/...``, ``W_value/...`` (bias only with qkv_bias).
-* ``CausalAttention`` -> ``CausalAttention(d_out, context_length, dropout, qkv_bias=False)``:
-  as v2.
-* ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_out, context_length,
-  dropout, num_heads, qkv_bias=False)``: ``heads_{i}/W_query/...`` (the book's
-  ``heads.{i}.W_query``).
-* ``MultiHeadAttention`` -> ``MultiHeadAttention(d_out, context_length, dropout, num_heads,
-  qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True, qk_norm=False,
-  qk_norm_eps=1e-6, rope=None, softcap=None, sinks=False, score_mod=None,
-  mask_mod=None)``: ``W_query``, ``W_key``, ``W_value``, ``out_proj`` (``{kernel,
-  bias}``), ``q_norm``/``k_norm`` (``{scale}``) with ``qk_norm``, and ``sinks`` with
-  ``sinks=True``. The keyword options after ``num_kv_heads`` are the book's Llama 3 /
-  Qwen3 attention (:mod:`jattn.models`) and score/mask modifiers (:mod:`jattn.mods`);
-  their defaults are chapter 3's class.
-
-``d_in`` is inferred from the input, as Linen does. A Dense ``kernel`` is the transpose of
-the PyTorch ``nn.Linear.weight`` (``[d_in, d_out]`` vs ``[d_out, d_in]``);
-:func:`jattn.convert.from_torch_state_dict` does the mapping.
-
-Conventions shared by every class:
-
-* Inputs ``x [batch..., num_tokens, d_in]`` with any number of batch dims (none included);
-  more tokens than ``context_length`` is a ValueError.
-* ``deterministic``: the call argument wins over the attribute (unlike
-  ``flax.linen.merge_param``, giving both is allowed, so a module built for training can be
-  evaluated with ``deterministic=True``). A module with ``dropout == 0`` needs neither; with
-  ``dropout > 0`` and neither given, the call raises a ValueError.
-* Dropout key: the ``dropout_rng=`` call argument if given, else ``self.make_rng('dropout')``
-  from ``module.apply(..., rngs={'dropout': key})`` (flax folds the module path in, so each
-  head of the wrapper gets its own key). Active dropout with neither raises a ValueError.
-  Dropout zeroes attention *weights* independently per example and head (as the book's
-  ``nn.Dropout``); ``broadcast_dropout=True`` shares one mask (flax's default).
-* Attention weights ``[batch..., num_heads, T, T]`` (``num_heads = 1`` for the single-head
-  classes), taken before dropout: returned with ``return_weights=True`` (the call returns
-  ``(output, weights)``) or sown into ``intermediates/attention_weights`` with
-  ``sow_weights=True`` (``apply(..., mutable=['intermediates'])``).
-* ``is_causal`` (a jattn extension, not in the book; ``causal`` is its deprecated name):
-  ``is_causal=False`` drops the causal mask, giving a "leaky" model whose outputs depend on
-  future tokens; the training demo uses it to show what the mask prevents.
-* ``decode=True`` (CausalAttention, the wrapper, MultiHeadAttention): autoregressive
-  decoding with a KV cache (:mod:`jattn.kvcache`), flax's way. ``init`` with an input
-  ``[batch..., capacity, d_in]`` creates the ``cache`` collection (``kv``: keys, values
-  and the filled length of each row; the wrapper has one per head) and returns the plain
-  forward pass; then ``apply({'params': p, 'cache': c}, chunk, mutable=['cache'])`` with
-  chunks of any length (a prompt, then one token at a time) appends to it and attends over
-  everything cached, causally per row. ``num_new=[batch...]`` says how many tokens of each
-  row of the chunk are real (ragged prompts, right-padded). Overflowing the capacity is a
-  ValueError in eager calls; under jit see :mod:`jattn.kvcache`. A rolling cache
-  (sliding-window attention over the last ``capacity`` tokens, no overflow) is a
-  ``cache`` collection whose ``kv`` is ``jattn.kvcache.init_cache(batch, capacity,
-  kv_heads, head_dim, rolling=True)``. With ``rope``, decoded tokens are rotated at each
-  row's cache length onward.
-* ``attention_implementation`` (every class): the core's ``implementation``. The default
-  (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
-  forward-mode autodiff; ``jax.jvp`` of an already jitted apply needs
-  ``attention_implementation='dense'`` (see :func:`jattn.dot_product_attention`).
+``SelfAttentionV1`` (also ``SelfAttention_v1``), ``SelfAttentionV2`` (``SelfAttention_v2``),
+``CausalAttention``, ``MultiHeadAttentionWrapper`` and ``MultiHeadAttention`` take the
+book's arguments without ``d_in`` (Linen infers it) and keep the book's parameter names
+(``W_query``, ``W_key``, ``W_value``, ``out_proj``, ``heads_{i}``). Each class documents
+its attributes and call; the modules guide (``docs/guides/modules.md``) gives the
+conventions they share (``deterministic``, the dropout key, returned and sown weights,
+``is_causal``), the decoding guide ``decode=True`` with its ``cache`` collection, the
+fast-path guide the automatic ``attention_implementation``, and
+:func:`jattn.convert.from_torch_state_dict` loads the book's weights.
 """
 
 from __future__ import annotations
@@ -84,6 +32,8 @@ __all__ = [
     "MultiHeadAttentionWrapper",
     "SelfAttentionV1",
     "SelfAttentionV2",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
 ]
 
 Array = jax.Array
@@ -97,8 +47,13 @@ default_bias_init = nn.initializers.zeros_init()
 v1_kernel_init = nn.initializers.uniform(1.0)
 
 
-class _Projections(nn.Module):
+class _Attention(nn.Module):
     """Keyword-only attributes of every class: numerics and initializers."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:  # flax's keywords get a clear error, not Python's
+            cls.__init__ = mu.refuse_flax_keywords(cls.__dict__["__init__"])
 
     _: dataclasses.KW_ONLY
     dtype: Any = None
@@ -149,14 +104,12 @@ class _Projections(nn.Module):
         w_query = nn.meta.unbox(self.get_variable("params", "W_query"))
         d_in = (w_query if hasattr(w_query, "shape") else w_query["kernel"]).shape[0]
         if x.shape[-1] != d_in:
-            raise ValueError(
-                f"{name}: x has {x.shape[-1]} features on its last axis (shape {x.shape}), but "
-                f"the parameters were initialized for d_in = {d_in}."
-            )
+            raise mu.d_in_error(name, x.shape, d_in, params=True)
 
     def _dense(
-        self, features: int, name: str, use_bias: bool, model_axis=None, split="columns"
-    ) -> nn.Dense:
+        self, features: int, name: str, use_bias: bool, model_axis=None, split="columns",
+        out_sharding=None,
+    ) -> nn.Dense:  # fmt: skip
         # model_axis: annotate the kernel and bias for tensor parallelism (see mu).
         kernel_init, bias_init = mu.tensor_parallel_inits(
             nn.with_partitioning, self.kernel_init, self.bias_init, model_axis, split
@@ -169,6 +122,11 @@ class _Projections(nn.Module):
             precision=self.precision,
             kernel_init=kernel_init,
             bias_init=bias_init,
+            dot_general=(
+                None
+                if out_sharding is None
+                else functools.partial(jax.lax.dot_general, out_sharding=out_sharding)
+            ),
             name=name,
         )
 
@@ -182,14 +140,12 @@ class _Projections(nn.Module):
         return queries, keys, values
 
 
-class _Dropout(_Projections):
+class _DropoutAttention(_Attention):
     """Keyword-only attributes of the classes with a causal mask and dropout."""
 
     _: dataclasses.KW_ONLY
     is_causal: bool = True
     """jattn extension: False drops the causal mask (a "leaky" model, for demonstrations)."""
-    causal: bool | None = None
-    """Deprecated name of ``is_causal``."""
     deterministic: bool | None = None
     """True: no dropout (inference). The call argument wins over this attribute."""
     broadcast_dropout: bool | str = False
@@ -197,17 +153,13 @@ class _Dropout(_Projections):
     decode: bool = False
     """Decode with a KV cache in the ``cache`` collection (see the module docstring)."""
 
-    def __post_init__(self):
-        mu.resolve_causal(self.is_causal, self.causal, type(self).__name__)  # warns if old name
-        super().__post_init__()
-
     @property
     def config(self) -> mu.ModuleConfig:
         """The attention options of this module."""
         return mu.ModuleConfig(
             type(self).__name__,
             dropout=self.dropout,
-            is_causal=self.is_causal if self.causal is None else self.causal,
+            is_causal=self.is_causal,
             broadcast_dropout=self.broadcast_dropout,
             **self._numerics(),
         )
@@ -264,7 +216,7 @@ class _Dropout(_Projections):
         return False, dropout_rng
 
 
-class SelfAttentionV1(_Projections):
+class SelfAttentionV1(_Attention):
     """The book's ``SelfAttention_v1``: raw weight matrices, no mask, no dropout.
 
     ``softmax(q kᵀ / sqrt(d_out)) v`` with ``q = x @ W_query`` etc.
@@ -344,7 +296,7 @@ class SelfAttentionV2(SelfAttentionV1):
         )
 
 
-class CausalAttention(_Dropout):
+class CausalAttention(_DropoutAttention):
     """The book's ``CausalAttention``: one head, causal mask, dropout on the weights.
 
     No output projection. ``d_in`` is inferred from the input.
@@ -415,7 +367,7 @@ class CausalAttention(_Dropout):
         )
 
 
-class MultiHeadAttentionWrapper(_Dropout):
+class MultiHeadAttentionWrapper(_DropoutAttention):
     """The book's ``MultiHeadAttentionWrapper``: ``num_heads`` CausalAttention heads, concatenated.
 
     Output width ``num_heads * d_out``. The heads are the submodules ``heads_0``,
@@ -497,7 +449,7 @@ class MultiHeadAttentionWrapper(_Dropout):
         return mu.concat_heads(outs, return_weights)
 
 
-class MultiHeadAttention(_Dropout):
+class MultiHeadAttention(_DropoutAttention):
     """The book's ``MultiHeadAttention``: one Q/K/V projection each, split into heads.
 
     ``head_dim = d_out // num_heads``; the concatenated heads go through ``out_proj``
@@ -687,5 +639,14 @@ class MultiHeadAttention(_Dropout):
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]
-        out = self._dense(self.d_out, "out_proj", heads.out_bias, self.model_axis, "rows")(context)
+        sharding = mu.out_proj_sharding(context, self.model_axis)
+        out_proj = self._dense(
+            self.d_out, "out_proj", heads.out_bias, self.model_axis, "rows", sharding
+        )
+        out = out_proj(context)
         return (out, weights) if return_weights else out
+
+
+# The book's own class names, as printed in chapter 3.
+SelfAttention_v1 = SelfAttentionV1
+SelfAttention_v2 = SelfAttentionV2

@@ -19,8 +19,6 @@ additive bias with :func:`mask_to_bias` when an API wants a bias instead.
 
 from __future__ import annotations
 
-import warnings
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -86,8 +84,6 @@ def sliding_window_mask(
     *,
     local_window_size: int | tuple[int, int | None] | None = None,
     offset=0,
-    window_left: int | None = None,
-    window_right: int | None = 0,
 ) -> jnp.ndarray:
     """Local attention: query ``i`` sees keys ``i+offset-left ... i+offset+right``.
 
@@ -102,38 +98,21 @@ def sliding_window_mask(
       local_window_size: ``(left, right)`` keys visible before and after the (shifted)
         query position (ints >= 0; ``right`` may be None), or an int for both.
       offset: int or int array; shifts the window like :func:`causal_mask`'s offset.
-      window_left: deprecated: use ``local_window_size=(window_left, window_right)``.
-      window_right: deprecated, with ``window_left`` (default 0).
 
     Returns:
       Boolean ``[q_len, kv_len]`` array, True = attend.
     """
-    left, right = _window_extents(local_window_size, window_left, window_right)
-    q_pos, kv_pos = _positions(q_len, kv_len, offset)
-    mask = kv_pos >= q_pos - left
-    if right is not None:
-        mask = mask & (kv_pos <= q_pos + right)
-    return mask
-
-
-def _window_extents(local_window_size, window_left, window_right) -> tuple[int, int | None]:
-    """``(left, right)`` from ``local_window_size`` or the deprecated ``window_left/right``."""
-    if window_left is not None:
-        if local_window_size is not None:
-            raise TypeError("pass local_window_size only (window_left is its deprecated form).")
-        warnings.warn(
-            "sliding_window_mask(window_left=, window_right=) is deprecated: use "
-            "local_window_size=(left, right), the name dot_product_attention and jax.nn use.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        local_window_size = (window_left, window_right)
     if local_window_size is None:
         raise TypeError(
             "sliding_window_mask needs local_window_size: (left, right) keys visible before "
             "and after each query (e.g. (128, 0) for a causal window of 128)."
         )
-    return _checks.window(local_window_size, open_right=True)
+    left, right = _checks.window(local_window_size, open_right=True)
+    q_pos, kv_pos = _positions(q_len, kv_len, offset)
+    mask = kv_pos >= q_pos - left
+    if right is not None:
+        mask = mask & (kv_pos <= q_pos + right)
+    return mask
 
 
 def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:
@@ -243,23 +222,24 @@ def segment_mask(query_segment_ids, key_segment_ids=None) -> jnp.ndarray:
 
 
 def combine_masks(*masks) -> jnp.ndarray | None:
-    """Logical AND of boolean masks of any broadcast-compatible shapes; None entries are skipped.
+    """Logical AND of masks of any broadcast-compatible shapes; None entries are skipped.
 
-    Masks of different ranks broadcast numpy-style (aligned on the right), so a
-    ``[q, kv]`` causal mask combines with a ``[batch, 1, q, kv]`` padding mask.
+    Each mask is read as :func:`jattn.dot_product_attention` reads ``mask=``: boolean
+    (True = attend), or numeric 0/1 (flax's float masks); other values (additive masks)
+    and the book's ``triu`` buffer (True = hide) are refused. Masks of different ranks
+    broadcast numpy-style (aligned on the right), so a ``[q, kv]`` causal mask combines
+    with a ``[batch, 1, q, kv]`` padding mask.
 
     Returns:
       The combined boolean mask, or None when every argument is None.
     """
-    present = [jnp.asarray(m) for m in masks if m is not None]
+    present = [
+        _checks.mask_array(m, f"combine_masks argument {i}")
+        for i, m in enumerate(masks)
+        if m is not None
+    ]
     if not present:
         return None
-    for i, m in enumerate(present):
-        if m.dtype != jnp.bool_:
-            raise TypeError(
-                f"combine_masks takes boolean masks (True = attend); argument {i} has dtype "
-                f"{m.dtype}. Convert with `mask.astype(bool)` or build it with jattn.masks."
-            )
     try:
         np.broadcast_shapes(*(m.shape for m in present))
     except ValueError:

@@ -1,61 +1,14 @@
 """Flax NNX modules for every attention form of chapter 3, with the book's names.
 
-The same five classes as :mod:`jattn.linen`, with the same parameter trees
-(``W_query``, ``W_key``, ``W_value``, ``out_proj``, ``heads_{i}`` in the wrapper), so
-:func:`jattn.convert.linen_to_nnx` / :func:`jattn.convert.nnx_to_linen` are a renaming-free
-copy. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` last:
-
-* ``SelfAttention_v1`` -> ``SelfAttentionV1(d_in, d_out, *, rngs)``
-* ``SelfAttention_v2`` -> ``SelfAttentionV2(d_in, d_out, qkv_bias=False, *, rngs)``
-* ``CausalAttention`` -> ``CausalAttention(d_in, d_out, context_length, dropout,
-  qkv_bias=False, *, rngs)``
-* ``MultiHeadAttentionWrapper`` -> ``MultiHeadAttentionWrapper(d_in, d_out, context_length,
-  dropout, num_heads, qkv_bias=False, *, rngs)``
-* ``MultiHeadAttention`` -> ``MultiHeadAttention(d_in, d_out, context_length, dropout,
-  num_heads, qkv_bias=False, *, num_kv_heads=None, head_dim=None, out_bias=True,
-  qk_norm=False, qk_norm_eps=1e-6, rope=None, softcap=None, sinks=False,
-  score_mod=None, mask_mod=None, rngs)`` (the options after ``num_kv_heads``: the
-  book's Llama 3 / Qwen3 attention and score/mask modifiers, see the class)
-
-Conventions shared by every class:
-
-* Inputs ``x [batch..., num_tokens, d_in]`` with any number of batch dims (none included);
-  more tokens than ``context_length`` is a ValueError.
-* ``deterministic``: the call argument wins over the attribute, which ``.train()`` sets to
-  False and ``.eval()`` to True (``nnx.view(model, deterministic=...)`` works too). A module
-  with ``dropout == 0`` needs neither; with ``dropout > 0`` and neither set, the call raises.
-* Dropout key, in this order:
-
-  1. ``rngs`` given to the call: an ``nnx.Rngs`` (its ``dropout`` stream, or ``default``
-     when it has none), an ``nnx.RngStream`` (one key drawn from it), or a ``jax.random``
-     key (used as is);
-  2. otherwise the stream the module forked at construction from ``rngs.dropout`` (or
-     ``rngs.default``); each call draws the next key from it, so repeated calls drop
-     differently, and its counter is module state (``nnx.jit`` carries it).
-
-  Modules built with ``dropout == 0`` or ``keep_rngs=False`` keep no stream. Active dropout
-  with no key from either place raises a ValueError.
-* Attention weights ``[batch..., num_heads, T, T]`` (``num_heads = 1`` for the single-head
-  classes), taken before dropout: returned with ``return_weights=True`` or sown as
-  ``nnx.Intermediate`` ``attention_weights`` with ``sow_weights=True``, read with
-  ``y, inter = nnx.capture(model, nnx.Intermediate)(x, sow_weights=True)`` (flax 0.12
-  deprecates sowing outside ``nnx.capture``).
-* ``is_causal`` (a jattn extension, not in the book; ``causal`` is its deprecated name):
-  ``is_causal=False`` drops the causal mask.
-* Decoding with a KV cache (CausalAttention, the wrapper, MultiHeadAttention), as
-  ``flax.nnx.MultiHeadAttention``: ``init_cache((batch..., capacity, d_in))`` creates an
-  empty ``nnx.Cache`` (:mod:`jattn.kvcache`; the wrapper makes one per head; calling it
-  again resets it), then ``module(chunk, decode=True)`` with chunks of any length (a
-  prompt, then one token at a time) appends to it and attends over everything cached,
-  causally per row. ``num_new=[batch...]`` says how many tokens of each row of the chunk
-  are real (ragged prompts, right-padded). Overflowing the capacity is a ValueError in
-  eager calls; under jit see :mod:`jattn.kvcache`. ``init_cache(..., rolling=True)``
-  makes a rolling cache instead: sliding-window attention over the last ``capacity``
-  tokens, never full. With ``rope``, decoded tokens are rotated at each row's cache
-  length onward.
-* ``attention_implementation=`` (every class): the core's ``implementation``. The default
-  (None) picks the blockwise path on CPU from 256 tokens, and the dense path under
-  forward-mode autodiff; ``jax.jvp`` of an already jitted call needs ``'dense'``.
+The same five classes as :mod:`jattn.linen` (and the book's ``SelfAttention_v1`` /
+``SelfAttention_v2`` spellings), with the same parameter trees, so
+:func:`jattn.convert.linen_to_nnx` / :func:`jattn.convert.nnx_to_linen` copy without
+renaming. As in the book and in NNX, constructors take ``d_in`` first and ``rngs=`` last.
+Each class documents its arguments and call; the modules guide
+(``docs/guides/modules.md``) gives the conventions they share (``deterministic`` and
+``.train()`` / ``.eval()``, where the dropout key comes from, weights via
+``nnx.capture``), the decoding guide ``init_cache`` and ``decode=True``, and the fast-path
+guide the automatic ``attention_implementation``.
 """
 
 from __future__ import annotations
@@ -78,6 +31,8 @@ __all__ = [
     "MultiHeadAttentionWrapper",
     "SelfAttentionV1",
     "SelfAttentionV2",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
 ]
 
 Array = jax.Array
@@ -94,6 +49,11 @@ v1_kernel_init = nnx.initializers.uniform(1.0)
 class _Attention(nnx.Module):
     """What every class keeps: its :class:`jattn._module_utils.ModuleConfig` and a way to
     build its projections."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:  # flax's keywords get a clear error, not Python's
+            cls.__init__ = mu.refuse_flax_keywords(cls.__dict__["__init__"])
 
     def _init_config(self, config: mu.ModuleConfig, rngs) -> None:
         if not isinstance(rngs, nnx.Rngs):
@@ -148,11 +108,6 @@ class _DropoutAttention(_Attention):
     dropout = property(lambda self: self.config.dropout)
     is_causal = property(lambda self: self.config.is_causal)
     broadcast_dropout = property(lambda self: self.config.broadcast_dropout)
-
-    @property
-    def causal(self) -> bool:
-        """Deprecated name of :attr:`is_causal`."""
-        return mu.resolve_causal(None, self.is_causal, type(self).__name__)
 
     def init_cache(self, input_shape, dtype: Any = jnp.float32, *, rolling: bool = False) -> None:
         """Creates an empty KV cache for ``decode=True`` calls (and resets a filled one).
@@ -383,7 +338,6 @@ class CausalAttention(_DropoutAttention):
       dropout: probability of dropping an attention weight, in [0, 1).
       qkv_bias: add a bias to the three projections.
       is_causal: jattn extension: False drops the causal mask (a "leaky" model).
-      causal: deprecated name of ``is_causal``.
       deterministic: True: no dropout; None: decided by the call (or ``.train()/.eval()``).
       broadcast_dropout: axes sharing one dropout mask: False (independent, as the book),
         True, ``'batch'`` or ``'heads'``.
@@ -402,7 +356,6 @@ class CausalAttention(_DropoutAttention):
         qkv_bias: bool = False,
         *,
         is_causal: bool = True,
-        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -426,7 +379,7 @@ class CausalAttention(_DropoutAttention):
         config = mu.ModuleConfig(
             type(self).__name__,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
+            is_causal=is_causal,
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
@@ -507,7 +460,6 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         qkv_bias: bool = False,
         *,
         is_causal: bool = True,
-        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -533,7 +485,7 @@ class MultiHeadAttentionWrapper(_DropoutAttention):
         config = mu.ModuleConfig(
             type(self).__name__,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, type(self).__name__),
+            is_causal=is_causal,
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
@@ -675,7 +627,6 @@ class MultiHeadAttention(_DropoutAttention):
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         is_causal: bool = True,
-        causal: bool | None = None,
         deterministic: bool | None = None,
         broadcast_dropout: bool | str = False,
         dtype: Any = None,
@@ -719,7 +670,7 @@ class MultiHeadAttention(_DropoutAttention):
         config = mu.ModuleConfig(
             name,
             dropout=dropout,
-            is_causal=mu.resolve_causal(is_causal, causal, name),
+            is_causal=is_causal,
             broadcast_dropout=broadcast_dropout,
             attention_implementation=attention_implementation,
             dtype=dtype,
@@ -840,5 +791,10 @@ class MultiHeadAttention(_DropoutAttention):
         )
         context, weights = attended if return_weights else (attended, None)
         # 3. output projection: [batch..., T, d_out]
-        out = self.out_proj(context)
+        out = self.out_proj(context, out_sharding=mu.out_proj_sharding(context, self.model_axis))
         return (out, weights) if return_weights else out
+
+
+# The book's own class names, as printed in chapter 3.
+SelfAttention_v1 = SelfAttentionV1
+SelfAttention_v2 = SelfAttentionV2

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,7 +264,8 @@ CASES = [
     Case("padding_mask_from_lengths", "key_lengths without kv_len", V, "kv_len is required with key_lengths", lambda: masks.padding_mask_from_lengths(key_lengths=jnp.array([1]))),
     Case("segment_mask", "float ids", T, "query_segment_ids must hold integers", lambda: masks.segment_mask(jnp.ones((2, 3)))),
     Case("segment_mask", "batch dims that differ", V, "must share batch dims", lambda: masks.segment_mask(jnp.ones((2, 3), int), jnp.ones((3, 3), int))),
-    Case("combine_masks", "an int mask", T, "combine_masks takes boolean masks", lambda: masks.combine_masks(jnp.ones((2, 2), int))),
+    Case("combine_masks", "a complex mask", T, "combine_masks argument 0 must be boolean", lambda: masks.combine_masks(jnp.ones((2, 2), jnp.complex64))),
+    Case("combine_masks", "an additive float mask", V, "looks like an additive mask", lambda: masks.combine_masks(None, jnp.array([[0.0, -jnp.inf]]))),
     Case("combine_masks", "shapes that do not broadcast", V, "mask shapes do not broadcast", lambda: masks.combine_masks(jnp.ones((2, 2), bool), jnp.ones((3, 3), bool))),
     Case("large_negative", "an int dtype", T, "dtype must be a floating dtype", lambda: masks.large_negative(jnp.int32)),
     Case("large_negative", "a misspelt dtype", T, "dtype must be a floating dtype such as jnp.float32", lambda: masks.large_negative("flaot32")),
@@ -284,6 +286,9 @@ CASES = [
     Case("dot_product_attention", "mask that does not broadcast", V, "does not broadcast to the attention logits shape", dpa_with(mask=jnp.ones((3, 4), bool))),
     Case("dot_product_attention", "complex mask", T, "mask must be boolean", dpa_with(mask=jnp.ones((4, 4), jnp.complex64))),
     Case("dot_product_attention", "mask='causal' (a string)", T, "use is_causal=True", dpa_with(mask="causal")),
+    Case("dot_product_attention", "the book's triu buffer (True = hide)", V, "is the book's causal buffer triu(ones(T, T), diagonal=1)", dpa_with(mask=jnp.triu(jnp.ones((4, 4)), k=1))),
+    Case("dot_product_attention", "an additive float mask (0 / -inf)", V, "looks like an additive mask", dpa_with(mask=jnp.where(jnp.tril(jnp.ones((4, 4), bool)), 0.0, -jnp.inf))),
+    Case("dot_product_attention", "[batch, heads, T, head_dim] inputs with a mask", V, "the book's (PyTorch's) [batch, heads, T, head_dim] layout", lambda: dpa(jnp.ones((2, 2, 4, 8)), jnp.ones((2, 2, 4, 8)), jnp.ones((2, 2, 4, 8)), mask=jnp.ones((4, 4), bool))),
     Case("dot_product_attention", "int bias", T, "bias must be a float array", dpa_with(bias=jnp.ones((4, 4), int))),
     Case("dot_product_attention", "bias that does not broadcast", V, "bias of shape (5, 4) does not broadcast", dpa_with(bias=jnp.ones((5, 4)))),
     Case("dot_product_attention", "dropout_rate=1.0", V, "dropout_rate must be in [0, 1)", dpa_with(dropout_rate=1.0, dropout_rng=KEY)),
@@ -384,8 +389,10 @@ CASES = [
     Case("simplified_self_attention", "int inputs", T, "inputs must have a floating dtype", lambda: jattn.simplified_self_attention(jnp.ones((3, 3), int))),
     Case("simplified_self_attention_loop", "a batch", V, "takes one sequence [num_tokens, d]", lambda: jattn.simplified_self_attention_loop(jnp.ones((2, 3, 3)))),
     # Linen modules
+    Case("linen.MultiHeadAttention", "flax's keywords (qkv_features=)", T, "takes the book's arguments, not flax's", lambda: jl.MultiHeadAttention(num_heads=2, qkv_features=8)),
+    Case("linen.MultiHeadAttention", "an annotated kernel_init with model_axis", V, "kernel_init carries sharding annotations", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, model_axis="model", kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "x")))),
     Case("linen.MultiHeadAttention", "d_out=0", V, "MultiHeadAttention: d_out must be >= 1", lambda: jl.MultiHeadAttention(0, 4, 0.0, 2)),
-    Case("linen.MultiHeadAttention", "d_out=8.0", T, "d_out must be an int", lambda: jl.MultiHeadAttention(8.0, 4, 0.0, 2)),
+    Case("linen.MultiHeadAttention", "d_out=8.0", T, "d_out must be a Python int", lambda: jl.MultiHeadAttention(8.0, 4, 0.0, 2)),
     Case("linen.MultiHeadAttention", "d_out not divisible by num_heads", V, "must be divisible by num_heads", lambda: jl.MultiHeadAttention(6, 4, 0.0, 4)),
     Case("linen.MultiHeadAttention", "dropout=1.0", V, "dropout must be in [0, 1)", lambda: jl.MultiHeadAttention(8, 4, 1.0, 2)),
     Case("linen.MultiHeadAttention", "dropout='0.1'", T, "dropout must be a float in [0, 1)", lambda: jl.MultiHeadAttention(8, 4, "0.1", 2)),
@@ -413,7 +420,7 @@ CASES = [
     Case("linen.MultiHeadAttention", "decode=True, params only, cache not mutable", V, "decode=True reads and extends the 'cache' collection", lambda: linen_decoder()[0].apply({"params": linen_decoder()[1]["params"]}, X[:, :1])),
     Case("linen.MultiHeadAttention", "broadcast_dropout='x'", V, "broadcast_dropout must be True, False", lambda: jl.MultiHeadAttention(8, 4, 0.1, 2, broadcast_dropout="x").init(KEY, X, deterministic=False, dropout_rng=KEY)),
     Case("linen.MultiHeadAttention", "head_dim=0", V, "MultiHeadAttention: head_dim must be >= 1", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=0)),
-    Case("linen.MultiHeadAttention", "head_dim=4.0 (a float)", T, "head_dim must be an int", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=4.0)),
+    Case("linen.MultiHeadAttention", "head_dim=4.0 (a float)", T, "head_dim must be a Python int", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=4.0)),
     Case("linen.MultiHeadAttention", "odd head_dim with rope", V, "head_dim (3) must be even with rope=", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, head_dim=3, rope=RoPE())),
     Case("linen.MultiHeadAttention", "rope=10000.0 (not a RoPE)", T, "rope must be a jattn.rope.RoPE", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, rope=10_000.0)),
     Case("linen.MultiHeadAttention", "qk_norm_eps=0", V, "qk_norm_eps must be > 0 and finite", lambda: jl.MultiHeadAttention(8, 4, 0.0, 2, qk_norm=True, qk_norm_eps=0.0)),
@@ -426,6 +433,8 @@ CASES = [
     Case("linen.SelfAttentionV1", "d_out=-1", V, "SelfAttentionV1: d_out must be >= 1", lambda: jl.SelfAttentionV1(-1)),
     Case("linen.SelfAttentionV2", "int x", T, "SelfAttentionV2: x must be a float array", lambda: jl.SelfAttentionV2(2).init(KEY, jnp.ones((3, 3), int))),
     # NNX modules
+    Case("nnx.MultiHeadAttention", "flax's keywords (in_features=)", T, "in_features -> d_in", lambda: jn.MultiHeadAttention(in_features=8, num_heads=2, rngs=nnx.Rngs(0))),
+    Case("nnx.MultiHeadAttention", "x of shape [batch, d_in, T]", V, "pass jnp.swapaxes(x, -1, -2)", lambda: jn.MultiHeadAttention(6, 8, 8, 0.0, 2, rngs=nnx.Rngs(0))(jnp.ones((2, 6, 4)))),
     Case("nnx.MultiHeadAttention", "d_in=0", V, "MultiHeadAttention: d_in must be >= 1", lambda: jn.MultiHeadAttention(0, 8, 4, 0.0, 2, rngs=nnx.Rngs(0))),
     Case("nnx.MultiHeadAttention", "attention_implementation='flash'", V, "attention_implementation must be None (automatic) or one of", lambda: jn.MultiHeadAttention(6, 8, 4, 0.0, 2, attention_implementation="flash", rngs=nnx.Rngs(0))),
     Case("nnx.MultiHeadAttention", "rngs=0 (not an nnx.Rngs)", T, "rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0)", lambda: jn.MultiHeadAttention(6, 8, 4, 0.0, 2, rngs=0)),

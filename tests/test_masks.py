@@ -145,9 +145,20 @@ def test_combine_masks_broadcasts_and_skips_none():
     assert masks.combine_masks() is None
 
 
+def test_combine_masks_reads_masks_as_dot_product_attention_does():
+    """Float 0/1 masks (flax's) are accepted as by the attention entry; other values are not."""
+    causal = np.tril(np.ones((3, 3), bool))
+    got = masks.combine_masks(causal.astype(np.float32), np.array([1, 1, 0], np.int32))
+    np.testing.assert_array_equal(got, causal & np.array([True, True, False]))
+    with pytest.raises(ValueError, match="additive mask"):
+        masks.combine_masks(np.where(causal, 0.0, -np.inf))
+    with pytest.raises(ValueError, match="book's causal buffer"):
+        masks.combine_masks(np.triu(np.ones((4, 4), np.float32), 1))
+
+
 def test_combine_masks_errors():
-    with pytest.raises(TypeError, match="boolean masks"):
-        masks.combine_masks(np.ones((2, 2), np.float32))
+    with pytest.raises(TypeError, match="must be boolean"):
+        masks.combine_masks(np.ones((2, 2), np.complex64))
     with pytest.raises(ValueError, match="do not broadcast"):
         masks.combine_masks(np.ones((2, 3), bool), np.ones((4, 3), bool))
 
