@@ -249,10 +249,114 @@ def _lse_with_gradient(attend, query, key, lse, scale) -> Array:
     return sg(lse) + (f - sg(f))
 
 
+# ----------------------------------------------------------------------------------------
+# jattn's own Pallas kernel ('pallas'), routed through the kernel contract per platform
+# ----------------------------------------------------------------------------------------
+
+
+def kernel_query(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras, *,
+                 platform: str, interpret: bool) -> kernels.KernelQuery:  # fmt: skip
+    """The static facts of one call, for a kernel adapter's ``obstacle`` on ``platform``."""
+    return kernels.KernelQuery(
+        platform=platform,
+        interpret=interpret,
+        q_shape=tuple(query.shape),
+        kv_shape=tuple(key.shape),
+        v_head_dim=value.shape[-1],
+        dtype=query.dtype,
+        is_causal=settings.is_causal,
+        window=settings.window,
+        has_mask=ops.mask is not None,
+        has_bias=ops.bias is not None,
+        has_lengths=ops.q_lengths is not None or ops.kv_lengths is not None,
+        has_segments=ops.q_segments is not None,
+        separate_kv_segments=ops.kv_segments is not ops.q_segments,
+        dropout=ops.dropout_rng is not None,
+        return_weights=extras.return_weights or extras.module is not None,
+        return_residual=settings.return_residual,
+        score_mod=settings.score_mod,
+        mask_mod=settings.mask_mod,
+        sinks=ops.sinks is not None,
+        block_mask=ops.block_mask is not None,
+        traced_scale=not isinstance(ops.scale, numbers.Real),
+        default_precision=_default_precision(settings.precision),
+        needs_dense=extras.needed(),
+    )
+
+
+def host_platform() -> str:
+    """The default backend as a lowering platform name (``'gpu'`` is ``'cuda'``)."""
+    backend = jax.default_backend()
+    return "cuda" if backend == "gpu" else backend
+
+
+def _routed_platforms() -> tuple[str, ...]:
+    return kernels.route_platforms() or (host_platform(),)
+
+
+def _pallas_interpret(platform: str) -> bool:
+    return kernels.interpret_requested() and not kernels.adapter("pallas").available(platform)
+
+
+def _pallas_obstacle_on(platform: str, query, key, value, ops, settings, extras) -> str | None:
+    """Why jattn's Pallas kernel cannot honour the call lowered for ``platform``."""
+    module = kernels.adapter("pallas")
+    interpret = _pallas_interpret(platform)
+    reason = module.obstacle(
+        kernel_query(query, key, value, ops, settings, extras, platform=platform, interpret=interpret)
+    )
+    return reason if reason is not None else _custom_vjp_obstacle(query, key, value)
+
+
+def _pallas_obstacle(*call) -> str | None:
+    """Asked for by name: it must honour the call on every platform routed for."""
+    platforms = _routed_platforms()
+    for platform in platforms:
+        reason = _pallas_obstacle_on(platform, *call)
+        if reason is not None:
+            return reason if len(platforms) == 1 else f"on {platform}: {reason}"
+    return None
+
+
+def _pallas_run_on(platform: str):
+    def run(query, key, value, ops: Operands, settings: Settings, extras):
+        module = kernels.adapter("pallas")
+        out, lse = module.attention(query, key, value, ops, settings, interpret=_pallas_interpret(platform))
+        residual = jnp.swapaxes(lse, -1, -2) if settings.return_residual else None
+        return out, None, residual
+
+    return run
+
+
+def _pallas_run(*call):
+    return _per_platform({p: ("pallas", _pallas_interpret(p)) for p in _routed_platforms()}, call)
+
+
+def _route_runner(name: str, platform: str):
+    return _pallas_run_on(platform) if name == "pallas" else ROUTES[name].run
+
+
+def _per_platform(choices: dict[str, tuple], call):
+    """Runs ``call`` on each platform's route ``{platform: (name, variant)}``: directly when
+    they all agree, else one ``jax.lax.platform_dependent`` branch per platform (each
+    lowered only for its platform)."""
+    query, key, value, ops, settings, extras = call
+    if len(set(choices.values())) == 1:
+        platform, (name, _) = next(iter(choices.items()))
+        return _route_runner(name, platform)(*call)
+    branches = {
+        platform: (lambda q, k, v, name=name, platform=platform:
+                   _route_runner(name, platform)(q, k, v, ops, settings, extras))
+        for platform, (name, _) in choices.items()
+    }  # fmt: skip
+    return jax.lax.platform_dependent(query, key, value, **branches)
+
+
 ROUTES: dict[str, Route] = {
     "dense": Route(lambda *args: None, _dense_run),
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
     **{name: Route(_kernel_obstacle(name), _kernel_run(name)) for name in kernels.KERNELS},
+    "pallas": Route(_pallas_obstacle, _pallas_run),
 }
 ALIASES = {"xla": "dense"}  # jax.nn's names
 
@@ -285,8 +389,10 @@ PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
 #   issues and jax 0.12 deprecates it, so it runs only when asked for by name.
 # * tpu: splash, from SPLASH_MIN_Q_LEN queries on.
 # * cpu (and any other backend): jattn's own paths; never a kernel in interpret mode.
+# * gpu: cuDNN for the plain calls it takes, then jattn's own Pallas kernel ('pallas') for
+#   every option it covers (dropout, modifiers, block masks, sinks, bias).
 AUTO: dict[str, tuple[str, ...]] = {
-    "gpu": ("cudnn", "blockwise", "dense"),
+    "gpu": ("cudnn", "pallas", "blockwise", "dense"),
     "tpu": ("splash", "blockwise", "dense"),
     "cpu": ("blockwise", "dense"),
 }
@@ -321,7 +427,36 @@ def choose(implementation, query, key, value, ops, settings, extras) -> str:
     raise AssertionError("'dense' honours every call")  # unreachable: dense is last
 
 
+def _auto_on(platform: str, *call) -> str:
+    """The automatic rule's route for ``platform`` (the old adapters judge by the host)."""
+    query, key = call[0], call[1]
+    kind = "gpu" if platform in ("cuda", "rocm") else platform
+    for name in AUTO.get(kind, AUTO["cpu"]):
+        pays = PAYS.get(name)
+        if pays is not None and not pays(query, key, kind):
+            continue
+        if name == "pallas":
+            reason = _pallas_obstacle_on(platform, *call)
+        else:
+            reason = ROUTES[name].obstacle(*call)
+        if reason is None:
+            return name
+    raise AssertionError("'dense' honours every call")  # unreachable: dense is last
+
+
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):
-    """Runs the call on the chosen implementation: ``(out, weights, residual)``."""
-    name = choose(implementation, query, key, value, ops, settings, extras)
-    return ROUTES[name].run(query, key, value, ops, settings, extras)
+    """Runs the call on the chosen implementation: ``(out, weights, residual)``.
+
+    Under :func:`jattn.kernels.lowering_platforms`, the automatic rule picks a route per
+    platform and the program carries each (chosen when it is lowered).
+    """
+    call = (query, key, value, ops, settings, extras)
+    platforms = kernels.route_platforms()
+    if implementation is None and platforms:
+        choices = {}
+        for p in platforms:
+            name = _auto_on(p, *call)
+            choices[p] = (name, _pallas_interpret(p) if name == "pallas" else None)
+        return _per_platform(choices, call)
+    name = choose(implementation, *call)
+    return ROUTES[name].run(*call)

@@ -33,6 +33,7 @@ No module here imports a kernel at import time: jax's kernel modules load on fir
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, NamedTuple, Protocol
 
@@ -43,6 +44,8 @@ __all__ = [
     "KernelQuery",
     "adapter",
     "interpret_requested",
+    "lowering_platforms",
+    "route_platforms",
 ]
 
 
@@ -129,7 +132,7 @@ class Kernel(Protocol):
     def attention(self, q, k, v, ops, settings, *, interpret: bool) -> tuple[Any, Any]: ...
 
 # The implementation names the adapters serve, as `implementation=` spells them.
-KERNELS = ("cudnn", "pallas_triton", "splash")
+KERNELS = ("cudnn", "pallas_triton", "splash", "pallas")
 
 # Set to 1 to run the Pallas kernels ('splash', 'pallas_triton') in interpret mode on CPU.
 INTERPRET_ENV = "JATTN_PALLAS_INTERPRET"
@@ -145,6 +148,32 @@ def interpret_requested() -> bool:
     return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+# The platforms the automatic rule routes for (one route each, chosen at lowering time by
+# jax.lax.platform_dependent); None: the host's default backend only.
+_ROUTE_PLATFORMS: list[tuple[str, ...] | None] = [None]
+
+
+def route_platforms() -> tuple[str, ...] | None:
+    """The platforms set by :func:`lowering_platforms` (None: the default backend only)."""
+    return _ROUTE_PLATFORMS[-1]
+
+
+@contextlib.contextmanager
+def lowering_platforms(*platforms: str):
+    """Routes jattn calls traced while active for each of ``platforms`` ('cpu', 'cuda',
+    'tpu'): one program carries each platform's route (``jax.lax.platform_dependent``),
+    e.g. around ``jax.export(f, platforms=['cpu', 'cuda', 'tpu'])`` or
+    ``jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`` from a CPU host."""
+    for p in platforms:
+        if p not in ("cpu", "cuda", "rocm", "tpu"):
+            raise ValueError(f"lowering_platforms takes 'cpu', 'cuda', 'rocm' or 'tpu', got {p!r}.")
+    _ROUTE_PLATFORMS.append(tuple(platforms))
+    try:
+        yield
+    finally:
+        _ROUTE_PLATFORMS.pop()
+
+
 def adapter(name: str):
     """The adapter module for ``name`` (one of :data:`KERNELS`), imported on first use."""
     if name == "cudnn":
@@ -153,6 +182,8 @@ def adapter(name: str):
         from jattn.kernels import pallas_triton as module
     elif name == "splash":
         from jattn.kernels import splash as module
+    elif name == "pallas":
+        from jattn.kernels import pallas as module
     else:
         raise ValueError(f"no kernel adapter named {name!r}; expected one of {KERNELS}.")
     return module

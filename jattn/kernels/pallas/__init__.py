@@ -352,7 +352,7 @@ def _dropout(ins, spec, ops, settings, n, heads, q_len, padded_q) -> None:
         + jax.lax.broadcasted_iota(u32, (nr, hr, padded_q, 1), 1) * np.uint32(q_len)
         + jax.lax.broadcasted_iota(u32, (nr, hr, padded_q, 1), 2)
     )
-    ins["key0"], ins["key1"] = _prng.row_keys(_prng.key_words(ops.dropout_rng), rows)
+    ins["key0"], ins["key1"] = _prng.row_keys(_prng.key_words(ops.dropout_rng), rows, unroll=True)
     keep_prob = 1.0 - ops.dropout_rate
     ins["threshold"] = _prng.keep_threshold(keep_prob).reshape(1, 1, 1)
     ins["inv_keep"] = (1.0 / jnp.asarray(keep_prob, jnp.float32)).reshape(1, 1, 1)

@@ -227,19 +227,25 @@ def _query_range(spec: C.Spec, col0, bq: int, bk: int, q_len, kv_len):
 
 
 def _interior(spec: C.Spec, row0, bq: int, col0, bk: int, q_len, kv_len):
-    """Whether a tile lies wholly inside the band and the lengths (no position mask)."""
+    """Whether a tile lies wholly inside the band and the lengths (no position mask):
+    a traced bool, or Python True when nothing can hide a position."""
     lo_band, hi_band = spec.band
-    inside = jnp.bool_(True)
+    parts = []
     if lo_band is not None:
-        inside = inside & (col0 - (row0 + bq - 1) >= lo_band)
+        parts.append(col0 - (row0 + bq - 1) >= lo_band)
     if hi_band is not None:
-        inside = inside & (col0 + bk - 1 - row0 <= hi_band)
+        parts.append(col0 + bk - 1 - row0 <= hi_band)
     if spec.padded_kv != spec.kv_len:
-        inside = inside & (col0 + bk <= spec.kv_len)
+        parts.append(col0 + bk <= spec.kv_len)
     if q_len is not None:
-        inside = inside & (row0 + bq <= q_len)
+        parts.append(row0 + bq <= q_len)
     if kv_len is not None:
-        inside = inside & (col0 + bk <= kv_len)
+        parts.append(col0 + bk <= kv_len)
+    if not parts:
+        return True
+    inside = parts[0]
+    for p in parts[1:]:
+        inside = inside & p
     return inside
 
 
@@ -250,17 +256,21 @@ def _visit(spec: C.Spec, step, carry, interior, state):
     if state is None:
         if spec.elementwise_mask:
             return step(carry, True, True)
+        if interior is True:
+            return step(carry, False, False)
         return lax.cond(interior, lambda c: step(c, False, False), lambda c: step(c, True, True), carry)
 
-    def visible(c):
+    def masked(c):
         full = state == block_masks.FULL
-        plain = full & interior & jnp.bool_(not spec.segments)
-        return lax.cond(
-            plain,
-            lambda c2: step(c2, False, False),
-            lambda c2: lax.cond(full, lambda c3: step(c3, True, False), lambda c3: step(c3, True, True), c2),
-            c,
-        )
+        return lax.cond(full, lambda c2: step(c2, True, False), lambda c2: step(c2, True, True), c)
+
+    def visible(c):
+        if spec.segments:
+            return masked(c)
+        plain = state == block_masks.FULL
+        if interior is not True:
+            plain = plain & interior
+        return lax.cond(plain, lambda c2: step(c2, False, False), masked, c)
 
     return lax.cond(state != block_masks.EMPTY, visible, lambda c: c, carry)
 
@@ -446,11 +456,14 @@ def _dkv_kernel(spec: C.Spec, names, out_names, *refs):
     if bias_q:  # tiles never visited keep a zero gradient
         zeros = jnp.zeros((bq, bk if bias_k else 1), f32)
 
-        def clear(n, _):
-            out["dbias"][n // nq, pl.ds(pl.multiple_of((n % nq) * bq, bq), bq), :] = zeros
-            return 0
+        def clear_head(g, _):
+            def clear(i, _):
+                out["dbias"][g, pl.ds(pl.multiple_of(i * bq, bq), bq), :] = zeros
+                return 0
 
-        lax.fori_loop(0, out["dbias"].shape[0] * nq, clear, 0)
+            return lax.fori_loop(0, nq, clear, 0)
+
+        lax.fori_loop(0, out["dbias"].shape[0], clear_head, 0)
     floats = [c for c, fl in zip(sconsts, spec.score_float, strict=True) if fl]
     lo, hi = _query_range(spec, col0, bq, bk, q_len, kv_len)
 
