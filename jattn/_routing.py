@@ -298,12 +298,27 @@ def _pallas_interpret(platform: str) -> bool:
     return kernels.interpret_requested() and not kernels.adapter("pallas").available(platform)
 
 
+def _host_gpu_obstacle(platform: str) -> str | None:
+    """On a GPU host, the Triton kernel needs an NVIDIA GPU of compute capability >= 8.0."""
+    if platform != "cuda" or jax.default_backend() != "gpu":
+        return None  # lowered from another host: the device is the program's business
+    capability = kernels.adapter("cudnn").compute_capability()
+    if capability is None or capability < (8, 0):
+        return f"an NVIDIA GPU of compute capability >= 8.0 (this GPU: {capability})"
+    return None
+
+
 def _pallas_obstacle_on(platform: str, query, key, value, ops, settings, extras) -> str | None:
     """Why jattn's Pallas kernel cannot honour the call lowered for ``platform``."""
     module = kernels.adapter("pallas")
+    gpu = _host_gpu_obstacle(platform)
+    if gpu is not None and not _pallas_interpret(platform):
+        return f"jattn's Pallas kernel needs {gpu}"
     interpret = _pallas_interpret(platform)
     reason = module.obstacle(
-        kernel_query(query, key, value, ops, settings, extras, platform=platform, interpret=interpret)
+        kernel_query(
+            query, key, value, ops, settings, extras, platform=platform, interpret=interpret
+        )
     )
     return reason if reason is not None else _custom_vjp_obstacle(query, key, value)
 
@@ -321,7 +336,9 @@ def _pallas_obstacle(*call) -> str | None:
 def _pallas_run_on(platform: str):
     def run(query, key, value, ops: Operands, settings: Settings, extras):
         module = kernels.adapter("pallas")
-        out, lse = module.attention(query, key, value, ops, settings, interpret=_pallas_interpret(platform))
+        out, lse = module.attention(
+            query, key, value, ops, settings, interpret=_pallas_interpret(platform)
+        )
         residual = jnp.swapaxes(lse, -1, -2) if settings.return_residual else None
         return out, None, residual
 

@@ -125,14 +125,14 @@ def test_gpu_falls_back_for_what_cudnn_lacks(option, monkeypatch):
         ("window reaching right", {}, dict(local_window_size=(4, 4))),
     ],
 )
-def test_gpu_falls_back_for_inputs_cudnn_rejects(why, inputs, options, monkeypatch):
+def test_gpu_takes_jattns_kernel_for_inputs_cudnn_rejects(why, inputs, options, monkeypatch):
     on_backend(monkeypatch, "gpu")
-    assert route_of(monkeypatch, *qkv(**inputs), **options) == "dense"
-    # The same at a length where jattn's own choice is blockwise (q_len * kv_len >= 4096²).
+    assert route_of(monkeypatch, *qkv(**inputs), **options) == "pallas"
+    # The same at a length where the XLA fallback would be blockwise (q_len * kv_len >= 4096²).
     long = qkv(t=4096, heads=1, kv_heads=1, batch=1, **{"dim": 8, **inputs})
     if why == "segment ids":
         options = dict(query_segment_ids=jnp.zeros((1, 4096), jnp.int32))
-    assert route_of(monkeypatch, *long, **options) == "blockwise"
+    assert route_of(monkeypatch, *long, **options) == "pallas"
 
 
 def test_gpu_without_a_capable_nvidia_gpu_uses_jattn(monkeypatch):
@@ -144,11 +144,12 @@ def test_gpu_without_a_capable_nvidia_gpu_uses_jattn(monkeypatch):
 
 
 def test_gpu_never_picks_pallas_triton(monkeypatch, interpret_mode):
-    """Pallas Triton takes float32 and segment ids, but runs only when asked for by name."""
+    """Pallas Triton takes float32 and segment ids, but runs only when asked for by name
+    (the automatic rule takes jattn's own kernel)."""
     on_backend(monkeypatch, "gpu")
     q, k, v = qkv(dtype=jnp.float32)
     ids = jnp.zeros((2, 64), jnp.int32)
-    assert route_of(monkeypatch, q, k, v, query_segment_ids=ids) == "dense"
+    assert route_of(monkeypatch, q, k, v, query_segment_ids=ids) == "pallas"
     name = route_of(monkeypatch, q, k, v, query_segment_ids=ids, implementation="pallas_triton")
     assert name == "pallas_triton"
 
@@ -474,4 +475,4 @@ def test_splash_takes_a_bare_softcap_and_kernels_refuse_other_modifiers(
     on_backend(monkeypatch, "gpu")
     bf = qkv(t=128)
     assert route_of(monkeypatch, *bf, is_causal=True) == "cudnn"
-    assert route_of(monkeypatch, *bf, is_causal=True, score_mod=cap) == "dense"
+    assert route_of(monkeypatch, *bf, is_causal=True, score_mod=cap) == "pallas"

@@ -40,13 +40,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _closure, _prng, mods
+from jattn import _closure, _prng, block_masks, mods
 from jattn import _tile_mods as tm
 from jattn.kernels import _common as adapters_common
 from jattn.kernels.pallas import _common as C
 from jattn.kernels.pallas import _flash
 
-__all__ = ["LSE_HAS_GRADIENT", "NAME", "RETURNS_LSE", "attention", "available", "block_sizes", "obstacle"]
+__all__ = [
+    "LSE_HAS_GRADIENT",
+    "NAME",
+    "RETURNS_LSE",
+    "attention",
+    "available",
+    "block_sizes",
+    "obstacle",
+]
 
 Array = jax.Array
 
@@ -160,7 +168,10 @@ def _gpu_modifier_obstacle(fn, kind: str, dtype) -> str | None:
     closed = jax.make_jaxpr(
         fn, *([jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.float32)] if kind == "score_mod" else [])
     )
-    index = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 16, 1), (1, 1, 1, 16))]
+    index = [
+        jax.ShapeDtypeStruct(s, jnp.int32)
+        for s in ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 16, 1), (1, 1, 1, 16))
+    ]
     jaxpr = closed(*index).jaxpr
     unsupported = sorted(_primitives(jaxpr) - _GPU_PRIMITIVES)
     if unsupported:
@@ -226,20 +237,29 @@ def _blocks(q_len: int, kv_len: int, interpret: bool):
 def _layout(interpret: bool, head_dim: int) -> _flash.Layout:
     if interpret:
         return _flash.Layout(None, True)
+    from jattn import kernels
     from jattn.kernels.pallas import gpu
 
-    return _flash.Layout(gpu.compiler_params(head_dim), False)
+    several = len(kernels.route_platforms() or ()) > 1
+    return _flash.Layout(gpu.compiler_params(head_dim), False, "cuda" if several else None)
 
 
 def _hoist(fn, kind: str, blocks) -> tuple[dict, list]:
     """``fn`` hoisted at each tile shape in ``blocks``: ``({shape: converted}, consts)``."""
     converted, consts = {}, None
     for bq, bk in sorted(set(blocks)):
-        index = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, bq, 1), (1, 1, 1, bk))]
-        args = ([jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.float32)] if kind == "score" else []) + index
+        index = [
+            jax.ShapeDtypeStruct(s, jnp.int32)
+            for s in ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, bq, 1), (1, 1, 1, bk))
+        ]
+        args = (
+            [jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.float32)] if kind == "score" else []
+        ) + index
         fn_at, consts_at = _closure.hoist(fn, *args)
         if consts is not None and len(consts_at) != len(consts):
-            raise NotImplementedError(f"the {kind}_mod closes over different arrays per tile shape.")
+            raise NotImplementedError(
+                f"the {kind}_mod closes over different arrays per tile shape."
+            )
         converted[(bq, bk)] = fn_at
         consts = consts_at if consts is None else consts
     return converted, list(consts)
@@ -265,7 +285,10 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
     fwd_block, bwd_block = _blocks(q_len, kv_len, interpret)
     lcm_q = math.lcm(fwd_block[0], bwd_block[0])
     lcm_k = math.lcm(fwd_block[1], bwd_block[1])
-    padded_q, padded_kv = adapters_common.round_up(q_len, lcm_q), adapters_common.round_up(kv_len, lcm_k)
+    padded_q, padded_kv = (
+        adapters_common.round_up(q_len, lcm_q),
+        adapters_common.round_up(kv_len, lcm_k),
+    )
     d_pad, dv_pad = _pow2(head_dim), _pow2(v_dim)
     has_segments = ops.q_segments is not None
     mod_band, document, mask_rest = _split_mask(settings.mask_mod, has_segments)
@@ -275,7 +298,9 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
     def pad(x, length, width):
         return adapters_common.pad_axis(adapters_common.pad_axis(x, 1, length), 3, width)
 
-    ins = dict(q=pad(q3, padded_q, d_pad), k=pad(k3, padded_kv, d_pad), v=pad(v3, padded_kv, dv_pad))
+    ins = dict(
+        q=pad(q3, padded_q, d_pad), k=pad(k3, padded_kv, d_pad), v=pad(v3, padded_kv, dv_pad)
+    )
     spec = dict(
         batch=n, q_len=q_len, kv_len=kv_len, padded_q=padded_q, padded_kv=padded_kv,
         num_heads=heads, kv_heads=kv_heads, head_dim=d_pad, v_dim=dv_pad, scale=float(ops.scale),
@@ -307,12 +332,14 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         spec["num_mask_consts"] = len(consts)
         ins["mask_consts"] = tuple(jnp.asarray(c) for c in consts)
     if mask_rest is not None or ops.block_mask is not None:
-        _states(ins, spec, settings, ops, n, heads, q_len, kv_len, padded_q, padded_kv)
+        _states(ins, spec, settings, ops, mask_rest, n, heads, q_len, kv_len, padded_q, padded_kv)
     spec = C.Spec(**spec)
     out, lse = _flash.flash(spec, _layout(interpret, d_pad), _flash.Inputs(**ins))
     out = out[:, :q_len, :, :v_dim]
     lse = lse[:, :, :q_len, 0]
-    return adapters_common.unflatten_batch(out, batch_shape), adapters_common.unflatten_batch(lse, batch_shape)
+    return adapters_common.unflatten_batch(out, batch_shape), adapters_common.unflatten_batch(
+        lse, batch_shape
+    )
 
 
 def _lengths(ins, spec, ops, n: int) -> None:
@@ -359,14 +386,28 @@ def _dropout(ins, spec, ops, settings, n, heads, q_len, padded_q) -> None:
     spec["dropout"] = True
 
 
-def _states(ins, spec, settings, ops, n, heads, q_len, kv_len, padded_q, padded_kv) -> None:
-    """Block-mask tile states at the forward and backward tiles (EMPTY past the lengths)."""
+def _states(ins, spec, settings, ops, mask_rest, n, heads, q_len, kv_len, padded_q, padded_kv):
+    """Block-mask tile states at the forward and backward tiles (EMPTY past the lengths):
+    a block mask's, coarsened when the tiles are multiples of its blocks; else evaluated
+    from the mask_mod once per call, if a part of it runs in the kernel as traced code
+    (recognised parts skip their tiles by the band and the segment ids)."""
+    bm = ops.block_mask
     for name, block in (("fwd_states", spec["fwd_block"]), ("bwd_states", spec["bwd_block"])):
-        states = tm.block_states(
-            settings.mask_mod, ops.block_mask, n=n, num_heads=heads, q_len=q_len,
-            kv_len=kv_len, block=block,
-        )  # fmt: skip
         nq, nk = padded_q // block[0], padded_kv // block[1]
-        states = jnp.pad(states.astype(jnp.int32), ((0, nq - states.shape[0]), (0, nk - states.shape[1])))
-        ins[name] = states
+        given = None if bm is None else (bm.block_q, bm.block_k)
+        if given is not None and block[0] % given[0] == 0 and block[1] % given[1] == 0:
+            states = tm.block_states(
+                settings.mask_mod, bm, n=n, num_heads=heads, q_len=q_len, kv_len=kv_len, block=given
+            )
+            needed, full = tm.coarsen(states, given, block, nq, nk)
+            states = jnp.where(full, block_masks.FULL, jnp.where(needed, block_masks.PARTIAL, 0))
+        elif mask_rest is not None:
+            states = tm.block_states(
+                settings.mask_mod, bm, n=n, num_heads=heads, q_len=q_len, kv_len=kv_len, block=block
+            )
+            pad = ((0, nq - states.shape[0]), (0, nk - states.shape[1]))
+            states = jnp.pad(states, pad)
+        else:
+            return
+        ins[name] = states.astype(jnp.int32)
     spec["states"] = True

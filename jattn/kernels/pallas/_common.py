@@ -17,7 +17,6 @@ They compute what jattn's dense path computes for the same elements:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -22,9 +22,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.interpreters import mlir
 
 from jattn import block_masks
 from jattn.kernels.pallas import _common as C
@@ -39,10 +41,14 @@ class Layout(NamedTuple):
       compiler_params: ``(kernel) -> compiler_params`` for ``pl.pallas_call`` ('fwd',
         'dkv', 'dq'), or None (interpret mode).
       interpret: run in interpret mode.
+      only_on: in a program lowered for several platforms, the platform whose
+        ``platform_dependent`` branch holds the kernels: their lowering for the others
+        (a branch never taken there) is a placeholder of zeros.
     """
 
     compiler_params: Callable[[str], Any] | None
     interpret: bool
+    only_on: str | None = None  # lower the kernels for this platform only (see _only_on)
 
 
 class Inputs(NamedTuple):
@@ -77,6 +83,45 @@ class Inputs(NamedTuple):
     do: Array | None = None  # the backward passes' operands: d out [N, Tq, H, Dv],
     lse: Array | None = None  # lse and delta = rowsum(d_out * out) - d_lse [N, H, Tq, 1]
     delta: Array | None = None
+
+
+# ----------------------------------------------------------------------------------------
+# A kernel lowered for one platform only (multi-platform export)
+# ----------------------------------------------------------------------------------------
+
+# jax lowers every branch of a platform_dependent for every platform of the program, and
+# a Pallas kernel cannot lower for another platform: this primitive holds the kernel call,
+# lowered as it is for its platform and as zeros (never executed) for the others.
+_only_on_p = jax.extend.core.Primitive("jattn_platform_only")
+_only_on_p.multiple_results = True
+_only_on_p.def_abstract_eval(lambda *avals, jaxpr, platform: jaxpr.out_avals)
+
+
+def _lower_only_on(ctx, *args, jaxpr, platform):
+    return mlir.lower_fun(jax.extend.core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
+
+
+def _lower_elsewhere(ctx, *args, jaxpr, platform):
+    def zeros(*_):
+        return [jnp.zeros(a.shape, a.dtype) for a in jaxpr.out_avals]
+
+    return mlir.lower_fun(zeros, multiple_results=True)(ctx, *args)
+
+
+for _p in ("cuda", "rocm", "tpu"):
+    mlir.register_lowering(_only_on_p, _lower_only_on, platform=_p)
+mlir.register_lowering(_only_on_p, _lower_elsewhere)
+
+
+def _call(layout: Layout, kernel, *arrays):
+    if layout.only_on is None:
+        return kernel(*arrays)
+    closed = jax.make_jaxpr(kernel)(*arrays)
+    flat = jax.tree.leaves(arrays)
+    out_tree = jax.tree.structure(jax.eval_shape(kernel, *arrays))
+    return jax.tree.unflatten(
+        out_tree, _only_on_p.bind(*flat, jaxpr=closed, platform=layout.only_on)
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -165,7 +210,11 @@ def _flatten(ins: Inputs, specs: dict, skip: tuple[str, ...]) -> tuple[list, lis
     for name, x in ins._asdict().items():
         if name in skip:
             continue
-        items = [(f"{name}{c}", c_x) for c, c_x in enumerate(x)] if isinstance(x, tuple) else [(name, x)]
+        items = (
+            [(f"{name}{c}", c_x) for c, c_x in enumerate(x)]
+            if isinstance(x, tuple)
+            else [(name, x)]
+        )
         for item, value in items:
             if value is not None:
                 names.append(item)
@@ -258,7 +307,9 @@ def _visit(spec: C.Spec, step, carry, interior, state):
             return step(carry, True, True)
         if interior is True:
             return step(carry, False, False)
-        return lax.cond(interior, lambda c: step(c, False, False), lambda c: step(c, True, True), carry)
+        return lax.cond(
+            interior, lambda c: step(c, False, False), lambda c: step(c, True, True), carry
+        )
 
     def masked(c):
         full = state == block_masks.FULL
@@ -299,7 +350,9 @@ def _tile_scores(spec: C.Spec, r: _Refs, t: C.Tile, q, k, slope, score_consts, b
     return s, vjp
 
 
-def _mask(spec: C.Spec, t: C.Tile, masked: bool, mod_mask: bool, q_len, kv_len, q_seg, kv_seg, mconsts):
+def _mask(
+    spec: C.Spec, t: C.Tile, masked: bool, mod_mask: bool, q_len, kv_len, q_seg, kv_seg, mconsts
+):
     if not masked:
         return None
     sub = spec if mod_mask else _without_mask_mod(spec)
@@ -352,7 +405,7 @@ def _forward_kernel(spec: C.Spec, names, *refs):
         kv_seg = None if r.kv_seg is None else r.kv_seg[:, cols]
 
         def step(c, masked: bool, mod_mask: bool):
-            m, l, acc = c
+            m, total, acc = c
             k = r.k[cols, :]
             v = r.v[cols, :]
             bias = _bias_rows(r, spec, cols)
@@ -365,23 +418,25 @@ def _forward_kernel(spec: C.Spec, names, *refs):
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp(m - m_new)
-            l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+            total = total * alpha + jnp.sum(p, axis=1, keepdims=True)
             if keys is not None:
                 p = jnp.where(C.keep(t, *keys, threshold), p * inv_keep, 0.0)
             acc = acc * alpha + C.dot(p.astype(v.dtype), v, (1, 0))
-            return m_new, l, acc
+            return m_new, total, acc
 
         interior = _interior(spec, row0, bq, col0, bk, q_len, kv_len)
         state = None if r.fwd_states is None else r.fwd_states[i, j]
         if spec.segments and state is None:
             seen = _any(q_seg == kv_seg)
-            return lax.cond(seen, lambda c: _visit(spec, step, c, interior, None), lambda c: c, carry)
+            return lax.cond(
+                seen, lambda c: _visit(spec, step, c, interior, None), lambda c: c, carry
+            )
         return _visit(spec, step, carry, interior, state)
 
     lo, hi = _key_range(spec, row0, bq, bk, q_len, kv_len)
-    m, l, acc = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
-    seen = l > 0.0
-    safe_l = jnp.where(seen, l, 1.0)
+    m, total, acc = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
+    seen = total > 0.0
+    safe_l = jnp.where(seen, total, 1.0)
     o_ref[...] = jnp.where(seen, acc / safe_l, 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), C.NEG)
 
@@ -407,7 +462,7 @@ def forward(spec: C.Spec, layout: Layout, ins: Inputs):
         pl.BlockSpec((None, bq, None, spec.v_dim), lambda i, b, hh: (b, i, hh, 0)),
         pl.BlockSpec((None, None, bq, 1), lambda i, b, hh: (b, hh, i, 0)),
     ]
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_forward_kernel, spec, tuple(names)),
         grid=(spec.padded_q // bq, n, h),
         in_specs=blocks,
@@ -416,7 +471,8 @@ def forward(spec: C.Spec, layout: Layout, ins: Inputs):
         interpret=layout.interpret,
         compiler_params=None if layout.compiler_params is None else layout.compiler_params("fwd"),
         name="jattn_flash_fwd",
-    )(*arrays)
+    )
+    return tuple(_call(layout, call, *arrays))
 
 
 # ----------------------------------------------------------------------------------------
@@ -515,7 +571,9 @@ def _dkv_kernel(spec: C.Spec, names, out_names, *refs):
             state = None if r.bwd_states is None else r.bwd_states[i, j]
             if spec.segments and state is None:
                 seen = _any(q_seg == kv_seg)
-                return lax.cond(seen, lambda c2: _visit(spec, step, c2, interior, None), lambda c2: c2, c)
+                return lax.cond(
+                    seen, lambda c2: _visit(spec, step, c2, interior, None), lambda c2: c2, c
+                )
             return _visit(spec, step, c, interior, state)
 
         dk, dv, d_consts, bias_acc, slope_acc = lax.fori_loop(
@@ -540,7 +598,7 @@ def _dkv_kernel(spec: C.Spec, names, out_names, *refs):
 
 
 def _dq_kernel(spec: C.Spec, names, *refs):
-    r = _Refs(names, refs[: len(names) ])
+    r = _Refs(names, refs[: len(names)])
     (dq_ref,) = refs[len(names) :]
     bq, bk = spec.bwd_block
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -563,7 +621,9 @@ def _dq_kernel(spec: C.Spec, names, *refs):
 
         def step(dq, masked: bool, mod_mask: bool):
             k, v = r.k[cols, :], r.v[cols, :]
-            s, vjp = _tile_scores(spec, r, t, q, k, slope, sconsts, _bias_rows(r, spec, cols), grad=True)
+            s, vjp = _tile_scores(
+                spec, r, t, q, k, slope, sconsts, _bias_rows(r, spec, cols), grad=True
+            )
             mask = _mask(spec, t, masked, mod_mask, q_len, kv_len, q_seg, kv_seg, mconsts)
             p = _probs(spec, s, mask, lse)
             _, dp = _drop(spec, t, keys, threshold, inv_keep, p, C.dot(do, v, (1, 1)))
@@ -619,10 +679,12 @@ def backward(spec: C.Spec, layout: Layout, ins: Inputs):
         rank = x.ndim
         outs[f"dconst{c}"] = (
             jax.ShapeDtypeStruct((nk, n, kvh, *x.shape), jnp.float32),
-            pl.BlockSpec((None, None, None, *x.shape), lambda j, b, kh, rank=rank: (j, b, kh) + (0,) * rank),
+            pl.BlockSpec(
+                (None, None, None, *x.shape), lambda j, b, kh, rank=rank: (j, b, kh) + (0,) * rank
+            ),
         )
     out_names = tuple(outs)
-    results = pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_dkv_kernel, spec, tuple(names), out_names),
         grid=(nk, n, kvh),
         in_specs=blocks,
@@ -631,11 +693,12 @@ def backward(spec: C.Spec, layout: Layout, ins: Inputs):
         interpret=layout.interpret,
         compiler_params=None if params is None else params("dkv"),
         name="jattn_flash_dkv",
-    )(*arrays)
+    )
+    results = _call(layout, call, *arrays)
     grads = dict(zip(out_names, results, strict=True))
 
     names, arrays, blocks = _flatten(ins, _row_specs(spec, ins, bq, bk), skip)
-    grads["dq"] = pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_dq_kernel, spec, tuple(names)),
         grid=(nq, n, h),
         in_specs=blocks,
@@ -644,7 +707,8 @@ def backward(spec: C.Spec, layout: Layout, ins: Inputs):
         interpret=layout.interpret,
         compiler_params=None if params is None else params("dq"),
         name="jattn_flash_dq",
-    )(*arrays)
+    )
+    grads["dq"] = _call(layout, call, *arrays)
     return grads
 
 
@@ -677,7 +741,10 @@ def _flash_bwd(spec: C.Spec, layout: Layout, residuals, cotangents):
     if ins.bias is not None:
         nb, hb, _, lk = ins.bias.shape
         db = grads["dbias"]
-        db = db.sum(axis=tuple(a for a, full in ((0, nb > 1), (1, hb > 1), (3, lk > 1)) if not full), keepdims=True)
+        db = db.sum(
+            axis=tuple(a for a, full in ((0, nb > 1), (1, hb > 1), (3, lk > 1)) if not full),
+            keepdims=True,
+        )
         d["bias"] = db.astype(ins.bias.dtype)
     if ins.slopes is not None:
         d["slopes"] = grads["dslope"].sum(axis=(0, 1)).astype(ins.slopes.dtype)  # [H, 1, 1]
