@@ -336,8 +336,9 @@ def _pallas_obstacle(*call) -> str | None:
 def _pallas_run_on(platform: str):
     def run(query, key, value, ops: Operands, settings: Settings, extras):
         module = kernels.adapter("pallas")
+        interpret = _pallas_interpret(platform)
         out, lse = module.attention(
-            query, key, value, ops, settings, interpret=_pallas_interpret(platform)
+            query, key, value, ops, settings, interpret=interpret, platform=platform
         )
         residual = jnp.swapaxes(lse, -1, -2) if settings.return_residual else None
         return out, None, residual
@@ -345,8 +346,13 @@ def _pallas_run_on(platform: str):
     return run
 
 
+def _pallas_variant(platform: str) -> tuple[bool, bool]:
+    """What makes the kernel differ between platforms: interpret mode, the TPU layout."""
+    return _pallas_interpret(platform), platform == "tpu"
+
+
 def _pallas_run(*call):
-    return _per_platform({p: ("pallas", _pallas_interpret(p)) for p in _routed_platforms()}, call)
+    return _per_platform({p: ("pallas", _pallas_variant(p)) for p in _routed_platforms()}, call)
 
 
 def _route_runner(name: str, platform: str):
@@ -394,8 +400,14 @@ def _splash_pays(query, key, backend: str) -> bool:
     return query.shape[-3] >= SPLASH_MIN_Q_LEN
 
 
+def _pallas_pays(query, key, backend: str) -> bool:
+    # Its tiles hold at least 16 query rows (Triton's dot), 128 on TPUs (as splash's);
+    # shorter query blocks (decoding) are mostly padding, and XLA's dense path is as good.
+    return query.shape[-3] >= (SPLASH_MIN_Q_LEN if backend == "tpu" else 16)
+
+
 # When a candidate pays off at the call's lengths (no entry: always).
-PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
+PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays, "pallas": _pallas_pays}
 
 # The automatic rule: per backend, the candidates in order; the first that pays off and
 # can honour the call wins. The kernels come first wherever they take the call, and jattn's
@@ -404,13 +416,14 @@ PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
 # * gpu: cuDNN (NVIDIA, compute capability >= 8.0, bfloat16/float16). Not 'pallas_triton':
 #   jax's own GPU tests skip its backward on compute capability >= 8.0 for precision
 #   issues and jax 0.12 deprecates it, so it runs only when asked for by name.
-# * tpu: splash, from SPLASH_MIN_Q_LEN queries on.
+# * tpu: splash, from SPLASH_MIN_Q_LEN queries on, then jattn's Pallas kernel (Mosaic) for
+#   what splash lacks (dropout, bias, sinks, score_mod, mask_mod, return_residual).
 # * cpu (and any other backend): jattn's own paths; never a kernel in interpret mode.
 # * gpu: cuDNN for the plain calls it takes, then jattn's own Pallas kernel ('pallas') for
 #   every option it covers (dropout, modifiers, block masks, sinks, bias).
 AUTO: dict[str, tuple[str, ...]] = {
     "gpu": ("cudnn", "pallas", "blockwise", "dense"),
-    "tpu": ("splash", "blockwise", "dense"),
+    "tpu": ("splash", "pallas", "blockwise", "dense"),
     "cpu": ("blockwise", "dense"),
 }
 
@@ -473,7 +486,7 @@ def run(implementation, query, key, value, ops: Operands, settings: Settings, ex
         choices = {}
         for p in platforms:
             name = _auto_on(p, *call)
-            choices[p] = (name, _pallas_interpret(p) if name == "pallas" else None)
+            choices[p] = (name, _pallas_variant(p) if name == "pallas" else None)
         return _per_platform(choices, call)
     name = choose(implementation, *call)
     return ROUTES[name].run(*call)

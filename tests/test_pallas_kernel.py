@@ -23,7 +23,7 @@ from jattn import dense, mods
 from jattn._call import Operands, Settings
 from jattn.kernels import pallas as kernel
 
-N, T, S, H, K, D = 2, 80, 72, 4, 2, 16
+N, T, S, H, K, D = 2, 64, 48, 2, 1, 16
 RNG = np.random.default_rng(0)
 
 
@@ -48,7 +48,7 @@ def _case(name):
         return BASE, Settings(window=(10, 5)), ()
     if name == "lengths":  # a query length 0: a batch row that attends nothing
         lengths = dict(
-            q_lengths=jnp.array([50, 0], jnp.int32), kv_lengths=jnp.array([33, 60], jnp.int32)
+            q_lengths=jnp.array([50, 0], jnp.int32), kv_lengths=jnp.array([33, 40], jnp.int32)
         )
         return BASE._replace(**lengths), Settings(is_causal=True), ()
     if name == "segments":
@@ -87,8 +87,8 @@ def _loss(attend, q, k, v, ops, settings, names, values):
 INTERPRET = not kernel.available(jax.default_backend())
 
 
-def _kernel(q, k, v, ops, settings):
-    return kernel.attention(q, k, v, ops, settings, interpret=INTERPRET)
+def _kernel(q, k, v, ops, settings, platform=None):
+    return kernel.attention(q, k, v, ops, settings, interpret=INTERPRET, platform=platform)
 
 
 def _dense(q, k, v, ops, settings):
@@ -121,6 +121,23 @@ CASES = [
 def test_matches_the_dense_path(name):
     ops, settings, names = _case(name)
     out, lse, grads = _value_and_grads(_kernel, ops, settings, names)
+    out_d, lse_d, grads_d = _value_and_grads(_dense, ops, settings, names)
+    np.testing.assert_allclose(out, out_d, atol=2e-5)
+    np.testing.assert_allclose(lse, lse_d, atol=2e-5, rtol=1e-6)
+    for g, g_d in zip(grads, grads_d, strict=True):
+        np.testing.assert_allclose(g, g_d, atol=5e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the TPU layout off a TPU runs in interpret mode")
+@pytest.mark.parametrize("name", ["lengths", "bias_keys", "dropout"])
+def test_the_tpu_layout_matches_the_dense_path(name):
+    """The Mosaic variant (heads before positions, scalars in SMEM), in interpret mode."""
+    ops, settings, names = _case(name)
+
+    def tpu_kernel(q, k, v, ops, settings):
+        return _kernel(q, k, v, ops, settings, platform="tpu")
+
+    out, lse, grads = _value_and_grads(tpu_kernel, ops, settings, names)
     out_d, lse_d, grads_d = _value_and_grads(_dense, ops, settings, names)
     np.testing.assert_allclose(out, out_d, atol=2e-5)
     np.testing.assert_allclose(lse, lse_d, atol=2e-5, rtol=1e-6)
@@ -166,7 +183,9 @@ def test_dropout_mask_is_the_blockwise_paths():
     key = jax.random.key(11)
     kwargs = dict(is_causal=True, dropout_rate=0.5, dropout_rng=key, scale=float(BASE.scale))
     with kernel.block_sizes((16, 16), (16, 16)):
-        out = _kernel(q, k, v, BASE._replace(dropout_rate=0.5, dropout_rng=key), Settings(is_causal=True))[0]
+        out = _kernel(
+            q, k, v, BASE._replace(dropout_rate=0.5, dropout_rng=key), Settings(is_causal=True)
+        )[0]
     ref = jattn.dot_product_attention(q, k, v, implementation="blockwise", **kwargs)
     np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(ref) == 0)
     np.testing.assert_allclose(out, ref, atol=1e-6)

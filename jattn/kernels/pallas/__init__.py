@@ -2,7 +2,8 @@
 
 One FlashAttention-2 kernel family (:mod:`jattn.kernels.pallas._flash`; in-tile pieces in
 :mod:`jattn.kernels.pallas._common`) lowered per platform: Triton on NVIDIA GPUs
-(:mod:`jattn.kernels.pallas.gpu`), interpret mode on any backend when
+(:mod:`jattn.kernels.pallas.gpu`: ``[N, T, H, D]`` blocks), Mosaic on TPUs (``[N, H, T,
+D]`` blocks, key tiles of 128 lanes, scalars in SMEM), interpret mode on any backend when
 ``JATTN_PALLAS_INTERPRET=1``. It honours, inside the kernels:
 
 * causal masks and sliding windows (the band), query / key lengths, segment ids (separate
@@ -23,12 +24,13 @@ One FlashAttention-2 kernel family (:mod:`jattn.kernels.pallas._flash`; in-tile 
 Ready-made modifiers are recognised and run natively: :func:`jattn.mods.causal` and
 :func:`jattn.mods.sliding_window` become the band, :func:`jattn.mods.document` segment
 ids, a bare :func:`jattn.mods.softcap` / :func:`jattn.mods.alibi` native soft-capping /
-ALiBi. Other modifiers run as traced; on a GPU they must be elementwise jnp code (no
-gather: Triton cannot index an array by a traced position), else the route refuses them.
+ALiBi. Other modifiers run as traced; compiled (GPU, TPU) they must be elementwise jnp
+code (no gather: the kernels cannot index an array by a traced position), else the route
+refuses them.
 
 Refused (routing falls back, naming the reason): a mask array, returned weights, flax's
-einsum hooks, float64, a traced scale, an explicit matmul precision, head sizes over 256
-on GPU; TPUs (jattn's Mosaic kernel is not written yet: splash serves TPUs).
+einsum hooks, float64, a traced scale, an explicit matmul precision, head sizes over 256.
+On a TPU host splash stays first where it takes the call.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import contextlib
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,8 +67,13 @@ LSE_HAS_GRADIENT = True
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _GPU_PLATFORMS = ("cuda", "gpu")
-# Tiles (rows, keys) per platform: the forward pass's and the backward passes'.
-_BLOCKS = {"gpu": ((128, 64), (64, 64)), "interpret": ((64, 64), (64, 64))}
+# Tiles (rows, keys) per platform: the forward pass's and the backward passes' (TPU: the
+# key tiles are sliced along lanes, so multiples of 128).
+_BLOCKS = {
+    "gpu": ((128, 64), (64, 64)),
+    "tpu": ((128, 128), (128, 128)),
+    "interpret": ((64, 64), (64, 64)),
+}
 _MAX_GPU_HEAD_DIM = 256
 # Primitives a traced modifier may use on a GPU: elementwise arithmetic, comparisons,
 # casts and broadcasting (Triton has no gather; every one below lowers through Triton).
@@ -79,8 +87,9 @@ _GPU_PRIMITIVES = frozenset(
 
 
 def available(platform: str) -> bool:
-    """True on NVIDIA GPUs (``'cuda'``; ``'gpu'`` as ``jax.default_backend()`` names them)."""
-    return platform in _GPU_PLATFORMS
+    """True on NVIDIA GPUs (``'cuda'``; ``'gpu'`` as ``jax.default_backend()`` names them)
+    and TPUs (``'tpu'``)."""
+    return platform in _GPU_PLATFORMS or platform == "tpu"
 
 
 @contextlib.contextmanager
@@ -158,25 +167,23 @@ def _primitives(jaxpr) -> set[str]:
     names = set()
     for eqn in jaxpr.eqns:
         names.add(eqn.primitive.name)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             names |= _primitives(sub)
     return names
 
 
 def _gpu_modifier_obstacle(fn, kind: str, dtype) -> str | None:
-    """Why a traced modifier cannot run in the Triton kernel (None: it can)."""
-    closed = jax.make_jaxpr(
-        fn, *([jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.float32)] if kind == "score_mod" else [])
-    )
+    """Why a traced modifier cannot run in the compiled kernel (None: it can)."""
     index = [
         jax.ShapeDtypeStruct(s, jnp.int32)
         for s in ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 16, 1), (1, 1, 1, 16))
     ]
-    jaxpr = closed(*index).jaxpr
+    scores = [jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.float32)] if kind == "score_mod" else []
+    jaxpr = jax.make_jaxpr(fn)(*scores, *index).jaxpr
     unsupported = sorted(_primitives(jaxpr) - _GPU_PRIMITIVES)
     if unsupported:
         return (
-            f"a {kind} using {', '.join(unsupported)} (the Triton kernel runs elementwise "
+            f"a {kind} using {', '.join(unsupported)} (the compiled kernel runs elementwise "
             "modifiers only; no array indexed by a position)"
         )
     return None
@@ -185,11 +192,12 @@ def _gpu_modifier_obstacle(fn, kind: str, dtype) -> str | None:
 def obstacle(query) -> str | None:
     """Why jattn's Pallas kernel cannot honour the call (None: it can), from a
     :class:`jattn.kernels.KernelQuery`."""
-    gpu = available(query.platform)
-    if not gpu and not query.interpret:
+    native = available(query.platform)
+    if not native and not query.interpret:
         return (
-            f"jattn's Pallas kernel runs on NVIDIA GPUs ('cuda'), not on {query.platform} "
-            "(set JATTN_PALLAS_INTERPRET=1 to run it in interpret mode, slowly, for tests)"
+            f"jattn's Pallas kernel runs on NVIDIA GPUs ('cuda') and TPUs, not on "
+            f"{query.platform} (set JATTN_PALLAS_INTERPRET=1 to run it in interpret mode, "
+            "slowly, for tests)"
         )
     if query.needs_dense is not None:
         return query.needs_dense
@@ -200,15 +208,17 @@ def obstacle(query) -> str | None:
     )  # fmt: skip
     if reason is not None:
         return reason
+    if query.platform == "tpu" and jnp.dtype(query.dtype) == jnp.float16:
+        return "dtype float16 on TPU (the Mosaic kernel computes in bfloat16 or float32)"
     if query.traced_scale:
         return "a traced scale (the kernel compiles the scale in)"
     if not query.default_precision:
         return "an explicit matmul precision (the kernel picks its own)"
     if 0 in (query.q_shape[-3], query.kv_shape[-3]):
         return "an empty sequence"
-    if gpu and not query.interpret:
+    if native and not query.interpret:
         if max(query.q_shape[-1], query.v_head_dim) > _MAX_GPU_HEAD_DIM:
-            return f"head_dim over {_MAX_GPU_HEAD_DIM} (Triton's tiles)"
+            return f"head_dim over {_MAX_GPU_HEAD_DIM} (the kernel's tiles)"
         _, _, score_rest = _split_score(query.score_mod)
         if score_rest is not None:
             reason = _gpu_modifier_obstacle(score_rest, "score_mod", query.dtype)
@@ -224,23 +234,27 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _blocks(q_len: int, kv_len: int, interpret: bool):
+def _blocks(q_len: int, kv_len: int, interpret: bool, mosaic: bool):
     """The forward and backward tiles, no larger than the (power-of-two) lengths need."""
-    fwd, bwd = _BLOCKS["interpret" if interpret else "gpu"]
+    fwd, bwd = _BLOCKS["interpret" if interpret else "tpu" if mosaic else "gpu"]
+    least = 128 if mosaic and not interpret else 16
 
     def fit(block):
-        return min(block[0], _pow2(q_len)), min(block[1], _pow2(kv_len))
+        return min(block[0], _pow2(q_len)), min(block[1], _pow2(kv_len, least))
 
     return fit(fwd), fit(bwd)
 
 
-def _layout(interpret: bool, head_dim: int) -> _flash.Layout:
+def _layout(interpret: bool, head_dim: int, mosaic: bool) -> _flash.Layout:
     if interpret:
         return _flash.Layout(None, True)
     from jattn import kernels
-    from jattn.kernels.pallas import gpu
 
     several = len(kernels.route_platforms() or ()) > 1
+    if mosaic:
+        return _flash.Layout(None, False, "tpu" if several else None)
+    from jattn.kernels.pallas import gpu
+
     return _flash.Layout(gpu.compiler_params(head_dim), False, "cuda" if several else None)
 
 
@@ -265,13 +279,15 @@ def _hoist(fn, kind: str, blocks) -> tuple[dict, list]:
     return converted, list(consts)
 
 
-def attention(q, k, v, ops, settings, *, interpret: bool):
+def attention(q, k, v, ops, settings, *, interpret: bool, platform: str | None = None):
     """jattn's Pallas flash attention of a validated call (contract: :mod:`jattn.kernels`).
 
     Args:
       q: ``[batch..., Tq, H, D]``; k: ``[batch..., Tk, K, D]``; v: ``[batch..., Tk, K, Dv]``.
       ops, settings: :class:`jattn._call.Operands` / :class:`jattn._call.Settings`.
       interpret: run the kernels in interpret mode.
+      platform: the platform lowered for (None: the default backend): ``'tpu'`` takes the
+        Mosaic layout (heads before positions, scalars in SMEM), any other the GPU one.
 
     Returns:
       ``(out [batch..., Tq, H, Dv]`` in q's dtype, ``lse [batch..., H, Tq]`` float32,
@@ -282,7 +298,8 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
     v3, _ = adapters_common.flatten_batch(v, 3)
     n, q_len, heads, head_dim = q3.shape
     kv_len, kv_heads, v_dim = k3.shape[1], k3.shape[2], v3.shape[-1]
-    fwd_block, bwd_block = _blocks(q_len, kv_len, interpret)
+    mosaic = (platform or jax.default_backend()) == "tpu"
+    fwd_block, bwd_block = _blocks(q_len, kv_len, interpret, mosaic)
     lcm_q = math.lcm(fwd_block[0], bwd_block[0])
     lcm_k = math.lcm(fwd_block[1], bwd_block[1])
     padded_q, padded_kv = (
@@ -296,7 +313,8 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
     blocks_used = (fwd_block, bwd_block)
 
     def pad(x, length, width):
-        return adapters_common.pad_axis(adapters_common.pad_axis(x, 1, length), 3, width)
+        x = adapters_common.pad_axis(adapters_common.pad_axis(x, 1, length), 3, width)
+        return jnp.swapaxes(x, 1, 2) if mosaic else x  # TPU: [N, H, T, D]
 
     ins = dict(
         q=pad(q3, padded_q, d_pad), k=pad(k3, padded_kv, d_pad), v=pad(v3, padded_kv, dv_pad)
@@ -305,13 +323,16 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         batch=n, q_len=q_len, kv_len=kv_len, padded_q=padded_q, padded_kv=padded_kv,
         num_heads=heads, kv_heads=kv_heads, head_dim=d_pad, v_dim=dv_pad, scale=float(ops.scale),
         band=_band(settings.is_causal, settings.window, mod_band),
-        fwd_block=fwd_block, bwd_block=bwd_block, softcap=softcap,
+        fwd_block=fwd_block, bwd_block=bwd_block, softcap=softcap, mosaic=mosaic,
     )  # fmt: skip
     _lengths(ins, spec, ops, n)
     _segments(ins, spec, ops, document, n, q_len, kv_len, padded_q, padded_kv)
     if ops.bias is not None:
         bias = tm.tile_layout(ops.bias, batch_shape, heads, kv_heads, padded_q, padded_kv)
-        ins["bias"] = bias.reshape(bias.shape[0], bias.shape[1] * bias.shape[2], *bias.shape[3:])
+        bias = bias.reshape(bias.shape[0], bias.shape[1] * bias.shape[2], *bias.shape[3:])
+        if mosaic and bias.shape[-1] == 1:  # TPU blocks cannot split a size-1 key axis
+            bias = jnp.broadcast_to(bias, (*bias.shape[:-1], padded_kv))
+        ins["bias"] = bias
         spec["bias"] = tuple(s > 1 for s in ins["bias"].shape)
     if alibi is not None:
         ins["slopes"] = alibi.slopes.astype(jnp.float32).reshape(heads, 1, 1)
@@ -334,7 +355,8 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
     if mask_rest is not None or ops.block_mask is not None:
         _states(ins, spec, settings, ops, mask_rest, n, heads, q_len, kv_len, padded_q, padded_kv)
     spec = C.Spec(**spec)
-    out, lse = _flash.flash(spec, _layout(interpret, d_pad), _flash.Inputs(**ins))
+    out, lse = _flash.flash(spec, _layout(interpret, d_pad, mosaic), _flash.Inputs(**ins))
+    out = jnp.swapaxes(out, 1, 2) if mosaic else out
     out = out[:, :q_len, :, :v_dim]
     lse = lse[:, :, :q_len, 0]
     return adapters_common.unflatten_batch(out, batch_shape), adapters_common.unflatten_batch(

@@ -70,6 +70,7 @@ class Spec:
     mask_mods: dict | None = None
     num_mask_consts: int = 0
     states: bool = False  # block-mask tile states at fwd_block (and bwd_block)
+    mosaic: bool = False  # the TPU layout: heads before positions, scalars in SMEM
 
     @property
     def groups(self) -> int:

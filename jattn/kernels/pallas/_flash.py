@@ -133,23 +133,63 @@ def _full(x: Array) -> pl.BlockSpec:
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
+def _seq(spec: C.Spec, block: int, width: int, head, pos):
+    """A block of ``block`` positions of one head (``head``/``pos``: block indices) in the
+    sequence-major GPU layout ``[N, T, H, D]`` or the head-major TPU one ``[N, H, T, D]``;
+    ``head`` None: the ``G`` heads of a key/value head (``pos`` then spans all rows)."""
+    if spec.mosaic:
+        shape = (None, spec.groups if head is None else None, block, width)
+        return shape, (lambda b, hh, p: (b, hh, p, 0))
+    shape = (None, block, spec.groups if head is None else None, width)
+    return shape, (lambda b, hh, p: (b, p, hh, 0))
+
+
+def _rows_spec(spec: C.Spec, block: int, width: int, grid):
+    """A one-head block of ``block`` positions; ``grid(*program ids) -> (b, h, p)``."""
+    shape, order = _seq(spec, block, width, True, None)
+    return pl.BlockSpec(shape, lambda *ids: order(*grid(*ids)))
+
+
+def _scalars(spec: C.Spec, per_batch, whole) -> dict[str, pl.BlockSpec]:
+    """Scalar operands: in SMEM, whole, on TPUs; one ``[1, 1]`` block each on GPUs."""
+    names = ("q_len", "kv_len", "threshold", "inv_keep")
+    if spec.mosaic:
+        from jax.experimental.pallas import tpu as pltpu
+
+        smem = {n: pl.BlockSpec(memory_space=pltpu.SMEM) for n in names}
+        smem.update(fwd_states=smem["q_len"], bwd_states=smem["q_len"])
+        return smem
+    return {
+        "q_len": pl.BlockSpec((None, 1, 1), per_batch),
+        "kv_len": pl.BlockSpec((None, 1, 1), per_batch),
+        "threshold": pl.BlockSpec((None, 1, 1), whole),
+        "inv_keep": pl.BlockSpec((None, 1, 1), whole),
+    }
+
+
 def _row_specs(spec: C.Spec, ins: Inputs, bq: int, bk: int) -> dict[str, pl.BlockSpec]:
     """Specs for a query-tile program ``(i, b, h)``: forward and dQ."""
     g = spec.groups
     d, dv = spec.head_dim, spec.v_dim
+
+    def rows(width):
+        shape, order = _seq(spec, bq, width, True, None)
+        return pl.BlockSpec(shape, lambda i, b, h: order(b, h, i))
+
+    def keys(width):
+        shape, order = _seq(spec, spec.padded_kv, width, True, None)
+        return pl.BlockSpec(shape, lambda i, b, h: order(b, lax.div(h, g), 0))
+
     specs = {
-        "q": pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0)),
-        "k": pl.BlockSpec((None, spec.padded_kv, None, d), lambda i, b, h: (b, 0, h // g, 0)),
-        "v": pl.BlockSpec((None, spec.padded_kv, None, dv), lambda i, b, h: (b, 0, h // g, 0)),
-        "q_len": pl.BlockSpec((None, 1, 1), lambda i, b, h: (b, 0, 0)),
-        "kv_len": pl.BlockSpec((None, 1, 1), lambda i, b, h: (b, 0, 0)),
+        "q": rows(d),
+        "k": keys(d),
+        "v": keys(dv),
+        **_scalars(spec, lambda i, b, h: (b, 0, 0), lambda *_: (0, 0, 0)),
         "q_seg": pl.BlockSpec((None, bq, 1), lambda i, b, h: (b, i, 0)),
         "kv_seg": pl.BlockSpec((None, 1, spec.padded_kv), lambda i, b, h: (b, 0, 0)),
         "slopes": pl.BlockSpec((None, 1, 1), lambda i, b, h: (h, 0, 0)),
         "sinks": pl.BlockSpec((None, 1, 1), lambda i, b, h: (h, 0, 0)),
-        "threshold": pl.BlockSpec((None, 1, 1), lambda *_: (0, 0, 0)),
-        "inv_keep": pl.BlockSpec((None, 1, 1), lambda *_: (0, 0, 0)),
-        "do": pl.BlockSpec((None, bq, None, dv), lambda i, b, h: (b, i, h, 0)),
+        "do": rows(dv),
         "lse": pl.BlockSpec((None, None, bq, 1), lambda i, b, h: (b, h, i, 0)),
         "delta": pl.BlockSpec((None, None, bq, 1), lambda i, b, h: (b, h, i, 0)),
     }
@@ -172,18 +212,24 @@ def _col_specs(spec: C.Spec, ins: Inputs, bq: int, bk: int) -> dict[str, pl.Bloc
     """Specs for a key-tile program ``(j, b, kh)`` (dK/dV): all rows of the group's heads."""
     g = spec.groups
     d, dv, tq = spec.head_dim, spec.v_dim, spec.padded_q
+
+    def group_rows(width):
+        shape, order = _seq(spec, tq, width, None, None)
+        return pl.BlockSpec(shape, lambda j, b, kh: order(b, kh, 0))
+
+    def keys(width):
+        shape, order = _seq(spec, bk, width, True, None)
+        return pl.BlockSpec(shape, lambda j, b, kh: order(b, kh, j))
+
     specs = {
-        "q": pl.BlockSpec((None, tq, g, d), lambda j, b, kh: (b, 0, kh, 0)),
-        "k": pl.BlockSpec((None, bk, None, d), lambda j, b, kh: (b, j, kh, 0)),
-        "v": pl.BlockSpec((None, bk, None, dv), lambda j, b, kh: (b, j, kh, 0)),
-        "q_len": pl.BlockSpec((None, 1, 1), lambda j, b, kh: (b, 0, 0)),
-        "kv_len": pl.BlockSpec((None, 1, 1), lambda j, b, kh: (b, 0, 0)),
+        "q": group_rows(d),
+        "k": keys(d),
+        "v": keys(dv),
+        **_scalars(spec, lambda j, b, kh: (b, 0, 0), lambda *_: (0, 0, 0)),
         "q_seg": pl.BlockSpec((None, tq, 1), lambda j, b, kh: (b, 0, 0)),
         "kv_seg": pl.BlockSpec((None, 1, bk), lambda j, b, kh: (b, 0, j)),
         "slopes": pl.BlockSpec((g, 1, 1), lambda j, b, kh: (kh, 0, 0)),
-        "threshold": pl.BlockSpec((None, 1, 1), lambda *_: (0, 0, 0)),
-        "inv_keep": pl.BlockSpec((None, 1, 1), lambda *_: (0, 0, 0)),
-        "do": pl.BlockSpec((None, tq, g, dv), lambda j, b, kh: (b, 0, kh, 0)),
+        "do": group_rows(dv),
         "lse": pl.BlockSpec((None, g, tq, 1), lambda j, b, kh: (b, kh, 0, 0)),
         "delta": pl.BlockSpec((None, g, tq, 1), lambda j, b, kh: (b, kh, 0, 0)),
     }
@@ -236,8 +282,19 @@ class _Refs:
         return [self._refs[f"{kind}{c}"][...] for c in range(n)]
 
 
-def _scalar(ref):
-    return None if ref is None else ref[0, 0]
+def _scalar(spec: C.Spec, ref, b=None):
+    """A scalar operand: ``ref[b]`` of the whole ``[N, 1, 1]`` array in SMEM (TPU), the
+    program's ``[1, 1]`` block (GPU); ``b`` None: a call-wide scalar."""
+    if ref is None:
+        return None
+    if spec.mosaic:
+        return ref[0 if b is None else b, 0, 0]
+    return ref[0, 0]
+
+
+def _group_rows(spec: C.Spec, ref, g, rows):
+    """Rows ``rows`` of the ``g``-th head of a group block (either layout)."""
+    return ref[g, rows, :] if spec.mosaic else ref[rows, g, :]
 
 
 # ----------------------------------------------------------------------------------------
@@ -254,7 +311,7 @@ def _key_range(spec: C.Spec, row0, bq: int, bk: int, q_len, kv_len):
         end = jnp.minimum(end, row0 + bq + hi_band)
     if kv_len is not None:
         end = jnp.minimum(end, kv_len)
-    lo, hi = lo_key // bk, (end + bk - 1) // bk
+    lo, hi = lax.div(lo_key, bk), lax.div(end + bk - 1, bk)  # non-negative: lax.div floors
     if q_len is not None:
         hi = jnp.where(row0 < q_len, hi, lo)
     return lo, jnp.maximum(hi, lo)
@@ -269,7 +326,7 @@ def _query_range(spec: C.Spec, col0, bq: int, bk: int, q_len, kv_len):
         end = jnp.minimum(end, col0 + bk - lo_band)
     if q_len is not None:
         end = jnp.minimum(end, q_len)
-    lo, hi = lo_row // bq, (end + bq - 1) // bq
+    lo, hi = lax.div(lo_row, bq), lax.div(end + bq - 1, bq)
     if kv_len is not None:
         hi = jnp.where(col0 < kv_len, hi, lo)
     return lo, jnp.maximum(hi, lo)
@@ -382,14 +439,14 @@ def _forward_kernel(spec: C.Spec, names, *refs):
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row0 = i * bq
     q = r.q[...]
-    q_len, kv_len = _scalar(r.q_len), _scalar(r.kv_len)
+    q_len, kv_len = _scalar(spec, r.q_len, b), _scalar(spec, r.kv_len, b)
     q_seg = None if r.q_seg is None else r.q_seg[...]
     slope = None if r.slopes is None else r.slopes[...].astype(jnp.float32)
     sconsts = r.consts("score_consts", spec.num_score_consts)
     mconsts = r.consts("mask_consts", spec.num_mask_consts)
     keys = None if r.key0 is None else (r.key0[...], r.key1[...])
-    threshold = _scalar(r.threshold)
-    inv_keep = _scalar(r.inv_keep)
+    threshold = _scalar(spec, r.threshold)
+    inv_keep = _scalar(spec, r.inv_keep)
     if r.sinks is not None:
         m0 = jnp.broadcast_to(r.sinks[...].astype(jnp.float32), (bq, 1))
         l0 = jnp.ones((bq, 1), jnp.float32)
@@ -454,12 +511,13 @@ def forward(spec: C.Spec, layout: Layout, ins: Inputs):
     specs = _row_specs(spec, ins, bq, bk)
     names, arrays, blocks = _flatten(ins, specs, ("bwd_states",))
     n, h = spec.batch, spec.num_heads
+    out_layout = (n, h, spec.padded_q) if spec.mosaic else (n, spec.padded_q, h)
     out_shape = [
-        jax.ShapeDtypeStruct((n, spec.padded_q, h, spec.v_dim), ins.q.dtype),
+        jax.ShapeDtypeStruct((*out_layout, spec.v_dim), ins.q.dtype),
         jax.ShapeDtypeStruct((n, h, spec.padded_q, 1), jnp.float32),
     ]
     out_specs = [
-        pl.BlockSpec((None, bq, None, spec.v_dim), lambda i, b, hh: (b, i, hh, 0)),
+        _rows_spec(spec, bq, spec.v_dim, lambda i, b, hh: (b, hh, i)),
         pl.BlockSpec((None, None, bq, 1), lambda i, b, hh: (b, hh, i, 0)),
     ]
     call = pl.pallas_call(
@@ -501,11 +559,11 @@ def _dkv_kernel(spec: C.Spec, names, out_names, *refs):
     j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     col0 = j * bk
     k, v = r.k[...], r.v[...]
-    q_len, kv_len = _scalar(r.q_len), _scalar(r.kv_len)
+    q_len, kv_len = _scalar(spec, r.q_len, b), _scalar(spec, r.kv_len, b)
     kv_seg = None if r.kv_seg is None else r.kv_seg[...]
     sconsts = r.consts("score_consts", spec.num_score_consts)
     mconsts = r.consts("mask_consts", spec.num_mask_consts)
-    threshold, inv_keep = _scalar(r.threshold), _scalar(r.inv_keep)
+    threshold, inv_keep = _scalar(spec, r.threshold), _scalar(spec, r.inv_keep)
     bias_q = r.bias is not None and r.bias.shape[1] > 1  # the bias varies along queries
     bias_k = r.bias is not None and r.bias.shape[2] > 1
     f32 = jnp.float32
@@ -540,7 +598,7 @@ def _dkv_kernel(spec: C.Spec, names, out_names, *refs):
 
             def step(c, masked: bool, mod_mask: bool):
                 dk, dv, d_consts, bias_acc, slope_acc = c
-                q, do = r.q[rows, g, :], r.do[rows, g, :]
+                q, do = _group_rows(spec, r.q, g, rows), _group_rows(spec, r.do, g, rows)
                 lse, delta = r.lse[g, rows, :], r.delta[g, rows, :]
                 bias = None
                 if r.bias is not None:
@@ -605,13 +663,13 @@ def _dq_kernel(spec: C.Spec, names, *refs):
     row0 = i * bq
     q, do = r.q[...], r.do[...]
     lse, delta = r.lse[...], r.delta[...]
-    q_len, kv_len = _scalar(r.q_len), _scalar(r.kv_len)
+    q_len, kv_len = _scalar(spec, r.q_len, b), _scalar(spec, r.kv_len, b)
     q_seg = None if r.q_seg is None else r.q_seg[...]
     slope = None if r.slopes is None else r.slopes[...].astype(jnp.float32)
     sconsts = r.consts("score_consts", spec.num_score_consts)
     mconsts = r.consts("mask_consts", spec.num_mask_consts)
     keys = None if r.key0 is None else (r.key0[...], r.key1[...])
-    threshold, inv_keep = _scalar(r.threshold), _scalar(r.inv_keep)
+    threshold, inv_keep = _scalar(spec, r.threshold), _scalar(spec, r.inv_keep)
 
     def body(j, dq):
         col0 = j * bk
@@ -658,9 +716,9 @@ def backward(spec: C.Spec, layout: Layout, ins: Inputs):
     names, arrays, blocks = _flatten(ins, _col_specs(spec, ins, bq, bk), skip)
     outs = {
         "dk": (jax.ShapeDtypeStruct(ins.k.shape, ins.k.dtype),
-               pl.BlockSpec((None, bk, None, spec.head_dim), lambda j, b, kh: (b, j, kh, 0))),
+               _rows_spec(spec, bk, spec.head_dim, lambda j, b, kh: (b, kh, j))),
         "dv": (jax.ShapeDtypeStruct(ins.v.shape, ins.v.dtype),
-               pl.BlockSpec((None, bk, None, spec.v_dim), lambda j, b, kh: (b, j, kh, 0))),
+               _rows_spec(spec, bk, spec.v_dim, lambda j, b, kh: (b, kh, j))),
     }  # fmt: skip
     if ins.bias is not None:
         lq, lk = ins.bias.shape[2:]
@@ -702,7 +760,7 @@ def backward(spec: C.Spec, layout: Layout, ins: Inputs):
         functools.partial(_dq_kernel, spec, tuple(names)),
         grid=(nq, n, h),
         in_specs=blocks,
-        out_specs=pl.BlockSpec((None, bq, None, spec.head_dim), lambda i, b, hh: (b, i, hh, 0)),
+        out_specs=_rows_spec(spec, bq, spec.head_dim, lambda i, b, hh: (b, hh, i)),
         out_shape=jax.ShapeDtypeStruct(ins.q.shape, ins.q.dtype),
         interpret=layout.interpret,
         compiler_params=None if params is None else params("dq"),
@@ -733,8 +791,8 @@ def _flash_bwd(spec: C.Spec, layout: Layout, residuals, cotangents):
     d_out, d_lse = cotangents
     f32 = jnp.float32
     # delta_i = sum_j p_ij dp_ij = d_out_i . out_i; the lse cotangent enters as -d_lse.
-    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # [N, Tq, H]
-    delta = jnp.swapaxes(delta, 1, 2)[..., None] - d_lse  # [N, H, Tq, 1]
+    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # [N, Tq, H] | [N, H, Tq]
+    delta = (delta if spec.mosaic else jnp.swapaxes(delta, 1, 2))[..., None] - d_lse
     grads = backward(spec, layout, ins._replace(do=d_out.astype(ins.q.dtype), lse=lse, delta=delta))
     d = {name: None for name in Inputs._fields}
     d.update(q=grads["dq"], k=grads["dk"], v=grads["dv"], score_consts=(), mask_consts=())
