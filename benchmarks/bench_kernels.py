@@ -43,10 +43,7 @@ CANDIDATES = ("cudnn", "plain", "softcap", "alibi", "documents", "dropout", "sin
 
 def configs(small: bool):
     if small:
-        return [
-            ("B=1 T=128 H=2 D=32", 1, 128, 2, 2, 32),
-            ("B=2 T=128 H=4/2 D=32", 2, 128, 4, 2, 32),
-        ]
+        return [("B=1 T=128 H=2/1 D=32", 1, 128, 2, 1, 32)]
     return [
         ("B=4 T=4096 H=32 D=128", 4, 4096, 32, 32, 128),
         ("B=32 T=4096 H=32/8 D=128", 32, 4096, 32, 8, 128),

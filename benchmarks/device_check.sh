@@ -44,7 +44,7 @@ if [ "${DRY_RUN:-}" = 1 ]; then
   export JATTN_PALLAS_INTERPRET=1
   pytest_args=(-k "causal_gqa or refusals")
   kernel_args=(-k "causal_against_numpy or fully_masked")
-  kernel_bench_args=(--small --out "$OUTDIR/gpu_results.md")
+  kernel_bench_args=(--small --rounds 1 --budget-s 90 --out "$OUTDIR/gpu_results.md")
   toy_args=(--steps 20 --eval-every 10 --checkpoint-every 20)
   bench_args=(--small --lengths 128 --dtypes bfloat16)
 else
