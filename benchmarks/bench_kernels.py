@@ -114,6 +114,11 @@ def header() -> list[str]:
         "",
         f"* device: {device.device_kind} ({device.platform}); host {platform.node()}",
         f"* Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+        *(
+            ["* interpret mode (no GPU): the times are XLA's emulation, not kernel times"]
+            if os.environ.get("JATTN_PALLAS_INTERPRET")
+            else []
+        ),
         "",
         "| config | candidate | mode | ms | TFLOP/s | vs plain | compile s |",
         "|---|---|---|---|---|---|---|",

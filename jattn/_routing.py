@@ -14,6 +14,13 @@ into the adapter's static question (``obstacle``), adds what only jattn knows
 residual. The Pallas kernels run off their own hardware only in interpret mode, and only
 when asked for by name with ``JATTN_PALLAS_INTERPRET=1``; the automatic rule never picks
 interpret mode (no CPU candidate is a kernel).
+
+jattn's own Pallas kernel (``'pallas'``) goes through the kernel contract
+(:func:`kernel_query` builds its :class:`jattn.kernels.KernelQuery` per platform). Under
+:func:`jattn.kernels.lowering_platforms` the automatic rule picks a route for each
+platform and ``jax.lax.platform_dependent`` carries them all, so a program lowered or
+exported for GPUs or TPUs from a CPU host holds each platform's kernel; the old adapters
+then judge by that platform too when only one is routed for (:func:`_adapter_backend`).
 """
 
 from __future__ import annotations
@@ -122,9 +129,19 @@ def _blockwise_run(query, key, value, ops, settings, extras):
 # ----------------------------------------------------------------------------------------
 
 
+def _adapter_backend() -> str:
+    """The backend the old adapters judge a call by: the one platform routed for under
+    :func:`jattn.kernels.lowering_platforms` (as ``jax.default_backend()`` names it), else
+    the host's."""
+    platforms = kernels.route_platforms()
+    if platforms is not None and len(platforms) == 1:
+        return "gpu" if platforms[0] in ("cuda", "rocm") else platforms[0]
+    return jax.default_backend()
+
+
 def _interpret(module) -> bool:
     """Interpret mode: asked for (``JATTN_PALLAS_INTERPRET``) and off the kernel's hardware."""
-    return kernels.interpret_requested() and not module.available(jax.default_backend())
+    return kernels.interpret_requested() and not module.available(_adapter_backend())
 
 
 def _default_precision(precision) -> bool:
@@ -167,7 +184,7 @@ def _kernel_obstacle(name: str):
         if modifiers is not None:
             return modifiers
         reason = module.obstacle(
-            backend=jax.default_backend(),
+            backend=_adapter_backend(),
             interpret=_interpret(module),
             q_shape=query.shape,
             kv_shape=key.shape,

@@ -77,14 +77,15 @@ def test_lowering_carries_the_kernel(option, implementation, platform):
     args = _inputs()
     forward = _lowered(loss, *args, platforms=(platform,))
     backward = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args, platforms=(platform,))
-    if implementation is None and platform == "tpu" and "splash_m" in forward:
-        # Lowered for a TPU alone, the automatic rule takes splash where it suffices.
+    splash = implementation is None and platform == "tpu" and "splash_m" in forward
+    if splash:  # lowered for a TPU alone, the automatic rule takes splash where it suffices
         assert backward.count(CUSTOM_CALL[platform]) >= 2
     else:
         assert forward.count(CUSTOM_CALL[platform]) == 1
         assert backward.count(CUSTOM_CALL[platform]) == 3
     for text in (forward, backward):
-        assert "stablehlo.dot_general" not in text
+        if not splash:  # (splash's own backward computes its row sums with XLA)
+            assert "stablehlo.dot_general" not in text
         if option != "mask_mod":  # a mask_mod's tile states are evaluated once, by a loop
             assert "stablehlo.while" not in text
 

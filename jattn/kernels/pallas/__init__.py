@@ -75,9 +75,9 @@ _BLOCKS = {
     "interpret": ((64, 64), (64, 64)),
 }
 _MAX_GPU_HEAD_DIM = 256
-# Primitives a traced modifier may use on a GPU: elementwise arithmetic, comparisons,
-# casts and broadcasting (Triton has no gather; every one below lowers through Triton).
-_GPU_PRIMITIVES = frozenset(
+# Primitives a traced modifier may use compiled (GPU, TPU): elementwise arithmetic,
+# comparisons, casts and broadcasting (no gather: neither Triton nor Mosaic has one).
+_COMPILED_PRIMITIVES = frozenset(
     """add sub mul div rem max min neg abs sign exp exp2 log log1p tanh logistic sqrt rsqrt
     pow integer_pow floor ceil round erf sin cos select_n eq ne lt le gt ge and or not xor
     shift_left shift_right_logical shift_right_arithmetic convert_element_type
@@ -172,7 +172,7 @@ def _primitives(jaxpr) -> set[str]:
     return names
 
 
-def _gpu_modifier_obstacle(fn, kind: str, dtype) -> str | None:
+def _compiled_modifier_obstacle(fn, kind: str, dtype) -> str | None:
     """Why a traced modifier cannot run in the compiled kernel (None: it can)."""
     index = [
         jax.ShapeDtypeStruct(s, jnp.int32)
@@ -180,7 +180,7 @@ def _gpu_modifier_obstacle(fn, kind: str, dtype) -> str | None:
     ]
     scores = [jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.float32)] if kind == "score_mod" else []
     jaxpr = jax.make_jaxpr(fn)(*scores, *index).jaxpr
-    unsupported = sorted(_primitives(jaxpr) - _GPU_PRIMITIVES)
+    unsupported = sorted(_primitives(jaxpr) - _COMPILED_PRIMITIVES)
     if unsupported:
         return (
             f"a {kind} using {', '.join(unsupported)} (the compiled kernel runs elementwise "
@@ -221,12 +221,12 @@ def obstacle(query) -> str | None:
             return f"head_dim over {_MAX_GPU_HEAD_DIM} (the kernel's tiles)"
         _, _, score_rest = _split_score(query.score_mod)
         if score_rest is not None:
-            reason = _gpu_modifier_obstacle(score_rest, "score_mod", query.dtype)
+            reason = _compiled_modifier_obstacle(score_rest, "score_mod", query.dtype)
             if reason is not None:
                 return reason
         mask_rest = _split_mask(query.mask_mod, query.has_segments)[2]
         if mask_rest is not None:
-            return _gpu_modifier_obstacle(mask_rest, "mask_mod", query.dtype)
+            return _compiled_modifier_obstacle(mask_rest, "mask_mod", query.dtype)
     return None
 
 

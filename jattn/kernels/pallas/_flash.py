@@ -17,6 +17,7 @@ GPUs); the in-tile arithmetic is :mod:`jattn.kernels.pallas._common`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -418,8 +419,6 @@ def _mask(
 
 @functools.cache
 def _spec_without_mask_mod(spec: C.Spec) -> C.Spec:
-    import dataclasses
-
     return dataclasses.replace(spec, mask_mods=None, num_mask_consts=0)
 
 
