@@ -237,11 +237,17 @@ def dot_product_attention(
       >= 8.0 (precision issues), and jax 0.12 deprecates it.
     * ``'splash'``: Pallas splash attention (TPUs): causal, windows, lengths, segment ids,
       GQA/MQA without copies, bfloat16 / float32; no residual.
+    * ``'pallas'``: jattn's own Pallas flash attention (:mod:`jattn.kernels.pallas`;
+      Triton on NVIDIA GPUs, Mosaic on TPUs): everything above plus dropout (the same
+      mask as jattn's other paths), a bias with its gradient, sinks, soft-capping, ALiBi,
+      elementwise ``score_mod`` / ``mask_mod``, block masks and a differentiable
+      ``return_residual``; chosen automatically after cuDNN (GPU) / splash (TPU).
 
-    The kernels (:mod:`jattn.kernels`) keep jattn's semantics (masks True = attend, zero
-    output and gradients for rows that attend nothing, ``scale``, batch dims) and take no
-    dropout, ``mask`` or ``bias`` array, returned weights, flax einsum hooks, explicit
-    ``precision`` or float64. Off their own hardware the Pallas kernels run only in
+    The first three kernels (:mod:`jattn.kernels`) keep jattn's semantics (masks True =
+    attend, zero output and gradients for rows that attend nothing, ``scale``, batch dims)
+    and take no dropout, ``mask`` or ``bias`` array, returned weights, flax einsum hooks,
+    explicit ``precision`` or float64; ``'pallas'`` takes dropout and a bias, and refuses
+    the rest of that list. Off their own hardware the Pallas kernels run only in
     interpret mode (slow, for tests), when asked for by name with the environment variable
     ``JATTN_PALLAS_INTERPRET=1``.
 
@@ -315,7 +321,7 @@ def dot_product_attention(
       promote_dtype: flax NNX's hook: ``promote_dtype((q, k, v), dtype=dtype)`` casts the
         inputs (default: jattn's promotion, the result dtype of q, k, v, or ``dtype``).
       implementation: ``None`` (automatic, above), ``'dense'`` / ``'xla'``, ``'blockwise'``,
-        ``'cudnn'``, ``'pallas_triton'`` or ``'splash'``. One that cannot honour the call
+        ``'cudnn'``, ``'pallas_triton'``, ``'splash'`` or ``'pallas'``. One that cannot honour the call
         raises a ValueError saying which option it lacks and what to use instead.
       score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``,
         applied elementwise to the scaled logits ``scale * q·k`` before ``bias`` is added
