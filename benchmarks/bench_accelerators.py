@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from anywhere: import this chec
 import jattn  # noqa: E402
 from jattn import _routing, kernels  # noqa: E402
 
-JATTN_NAMES = (None, "dense", "blockwise", "cudnn", "pallas_triton", "splash")
+JATTN_NAMES = (None, "dense", "blockwise", "cudnn", "pallas_triton", "splash", "pallas")
 DENSE_LIKE = ("jattn dense", "jax.nn xla")  # build the [T, T] logits
 MODES = ("fwd+bwd", "fwd")
 GOAL = ("bfloat16", "fwd+bwd", 4096)  # the goal configuration

@@ -75,11 +75,13 @@ def _mulhi(a, b) -> jax.Array:
     return a_hi * b_hi + (hi_lo >> np.uint32(16)) + (cross >> np.uint32(16))
 
 
-def row_keys(words: jax.Array, row) -> tuple[jax.Array, jax.Array]:
+def row_keys(words: jax.Array, row, *, unroll: bool = False) -> tuple[jax.Array, jax.Array]:
     """Two 32-bit keys per row: Philox-4x32-10 at counter ``(row, 0, w2, w3)``, key ``(w0, w1)``.
 
     The rounds run as a (rolled) loop: XLA never fuses a loop into its consumer, so the
     keys are computed once per row, not once per element of the ``[rows, cols]`` mask.
+    ``unroll=True`` unrolls it (the same bits): for callers that keep loops out of the
+    program, such as the Pallas kernels' operands.
     """
     row = jnp.asarray(row, jnp.uint32)
 
@@ -98,7 +100,7 @@ def row_keys(words: jax.Array, row) -> tuple[jax.Array, jax.Array]:
         jnp.broadcast_to(words[..., 2], row.shape),
         jnp.broadcast_to(words[..., 3], row.shape),
     )
-    x0, x1, _, _ = lax.fori_loop(0, _ROUNDS, round_, start)
+    x0, x1, _, _ = lax.fori_loop(0, _ROUNDS, round_, start, unroll=unroll)
     return x0, x1
 
 

@@ -14,6 +14,13 @@ into the adapter's static question (``obstacle``), adds what only jattn knows
 residual. The Pallas kernels run off their own hardware only in interpret mode, and only
 when asked for by name with ``JATTN_PALLAS_INTERPRET=1``; the automatic rule never picks
 interpret mode (no CPU candidate is a kernel).
+
+jattn's own Pallas kernel (``'pallas'``) goes through the kernel contract
+(:func:`kernel_query` builds its :class:`jattn.kernels.KernelQuery` per platform). Under
+:func:`jattn.kernels.lowering_platforms` the automatic rule picks a route for each
+platform and ``jax.lax.platform_dependent`` carries them all, so a program lowered or
+exported for GPUs or TPUs from a CPU host holds each platform's kernel; the old adapters
+then judge by that platform too when only one is routed for (:func:`_adapter_platform`).
 """
 
 from __future__ import annotations
@@ -171,7 +178,7 @@ def kernel_query(
         mask_mod=settings.mask_mod,
         sinks=ops.sinks is not None,
         block_mask=ops.block_mask is not None,
-        traced_scale=isinstance(ops.scale, jax.core.Tracer),
+        traced_scale=not isinstance(ops.scale, numbers.Real),
         default_precision=_default_precision(settings.precision),
         needs_dense=extras.needed(),
     )
@@ -211,7 +218,7 @@ def _kernel_modifiers(name: str, q: kernels.KernelQuery) -> str | None:
 def _kernel_obstacle(name: str):
     def obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
         module = kernels.adapter(name)
-        platform = lowering_platform(jax.default_backend())
+        platform = _adapter_platform()
         q = kernel_query(
             query, key, value, ops, settings, extras, platform=platform,
             interpret=_interpret(module, platform),
@@ -235,7 +242,7 @@ def _kernel_obstacle(name: str):
 def _kernel_run(name: str):
     def run(query, key, value, ops: Operands, settings: Settings, extras):
         module = kernels.adapter(name)
-        interpret = _interpret(module, lowering_platform(jax.default_backend()))
+        interpret = _interpret(module, _adapter_platform())
 
         def attend(q, k, v):
             return module.attention(q, k, v, ops, settings, interpret=interpret)
@@ -271,10 +278,115 @@ def _lse_with_gradient(attend, query, key, lse, scale) -> Array:
     return sg(lse) + (f - sg(f))
 
 
+# ----------------------------------------------------------------------------------------
+# jattn's own Pallas kernel ('pallas'), routed through the kernel contract per platform
+# ----------------------------------------------------------------------------------------
+
+
+def host_platform() -> str:
+    """The default backend as a lowering platform name (:func:`lowering_platform`)."""
+    return lowering_platform(jax.default_backend())
+
+
+def _adapter_platform() -> str:
+    """The platform the kernel adapters judge a call by: the one platform routed for under
+    :func:`jattn.kernels.lowering_platforms`, else the host's."""
+    platforms = kernels.route_platforms()
+    if platforms is not None and len(platforms) == 1:
+        return platforms[0]
+    return host_platform()
+
+
+def _routed_platforms() -> tuple[str, ...]:
+    return kernels.route_platforms() or (host_platform(),)
+
+
+def _pallas_interpret(platform: str) -> bool:
+    return kernels.interpret_requested() and not kernels.adapter("pallas").available(platform)
+
+
+def _host_gpu_obstacle(platform: str) -> str | None:
+    """On a GPU host, the Triton kernel needs an NVIDIA GPU of compute capability >= 8.0."""
+    if platform != "cuda" or jax.default_backend() != "gpu":
+        return None  # lowered from another host: the device is the program's business
+    capability = kernels.adapter("cudnn").compute_capability()
+    if capability is None or capability < (8, 0):
+        return f"an NVIDIA GPU of compute capability >= 8.0 (this GPU: {capability})"
+    return None
+
+
+def _pallas_obstacle_on(platform: str, query, key, value, ops, settings, extras) -> str | None:
+    """Why jattn's Pallas kernel cannot honour the call lowered for ``platform``."""
+    module = kernels.adapter("pallas")
+    gpu = _host_gpu_obstacle(platform)
+    if gpu is not None and not _pallas_interpret(platform):
+        return f"jattn's Pallas kernel needs {gpu}"
+    interpret = _pallas_interpret(platform)
+    reason = module.obstacle(
+        kernel_query(
+            query, key, value, ops, settings, extras, platform=platform, interpret=interpret
+        )
+    )
+    return reason if reason is not None else _custom_vjp_obstacle(query, key, value)
+
+
+def _pallas_obstacle(*call) -> str | None:
+    """Asked for by name: it must honour the call on every platform routed for."""
+    platforms = _routed_platforms()
+    for platform in platforms:
+        reason = _pallas_obstacle_on(platform, *call)
+        if reason is not None:
+            return reason if len(platforms) == 1 else f"on {platform}: {reason}"
+    return None
+
+
+def _pallas_run_on(platform: str):
+    def run(query, key, value, ops: Operands, settings: Settings, extras):
+        module = kernels.adapter("pallas")
+        interpret = _pallas_interpret(platform)
+        out, lse = module.attention(
+            query, key, value, ops, settings, interpret=interpret, platform=platform
+        )
+        residual = jnp.swapaxes(lse, -1, -2) if settings.return_residual else None
+        return out, None, residual
+
+    return run
+
+
+def _pallas_variant(platform: str) -> tuple[bool, bool]:
+    """What makes the kernel differ between platforms: interpret mode, the TPU layout."""
+    return _pallas_interpret(platform), platform == "tpu"
+
+
+def _pallas_run(*call):
+    return _per_platform({p: ("pallas", _pallas_variant(p)) for p in _routed_platforms()}, call)
+
+
+def _route_runner(name: str, platform: str):
+    return _pallas_run_on(platform) if name == "pallas" else ROUTES[name].run
+
+
+def _per_platform(choices: dict[str, tuple], call):
+    """Runs ``call`` on each platform's route ``{platform: (name, variant)}``: directly when
+    they all agree, else one ``jax.lax.platform_dependent`` branch per platform (each
+    lowered only for its platform)."""
+    query, key, value, ops, settings, extras = call
+    if len(set(choices.values())) == 1:
+        platform, (name, _) = next(iter(choices.items()))
+        return _route_runner(name, platform)(*call)
+    branches = {
+        platform: (lambda q, k, v, name=name, platform=platform:
+                   _route_runner(name, platform)(q, k, v, ops, settings, extras))
+        for platform, (name, _) in choices.items()
+    }  # fmt: skip
+    return jax.lax.platform_dependent(query, key, value, **branches)
+
+
 ROUTES: dict[str, Route] = {
     "dense": Route(lambda *args: None, _dense_run),
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
     **{name: Route(_kernel_obstacle(name), _kernel_run(name)) for name in kernels.KERNELS},
+    "pallas": Route(_pallas_obstacle, _pallas_run),
 }
 ALIASES = _util.ALIASES  # jax.nn's names
 # Every implementation name is routed (the one list: jattn._util.IMPLEMENTATIONS).
@@ -297,8 +409,14 @@ def _splash_pays(query, key, backend: str) -> bool:
     return query.shape[-3] >= SPLASH_MIN_Q_LEN
 
 
+def _pallas_pays(query, key, backend: str) -> bool:
+    # Its tiles hold at least 16 query rows (Triton's dot), 128 on TPUs (as splash's);
+    # shorter query blocks (decoding) are mostly padding, and XLA's dense path is as good.
+    return query.shape[-3] >= (SPLASH_MIN_Q_LEN if backend == "tpu" else 16)
+
+
 # When a candidate pays off at the call's lengths (no entry: always).
-PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
+PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays, "pallas": _pallas_pays}
 
 # The automatic rule: per backend, the candidates in order; the first that pays off and
 # can honour the call wins. The kernels come first wherever they take the call, and jattn's
@@ -307,11 +425,14 @@ PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
 # * gpu: cuDNN (NVIDIA, compute capability >= 8.0, bfloat16/float16). Not 'pallas_triton':
 #   jax's own GPU tests skip its backward on compute capability >= 8.0 for precision
 #   issues and jax 0.12 deprecates it, so it runs only when asked for by name.
-# * tpu: splash, from SPLASH_MIN_Q_LEN queries on.
+# * tpu: splash, from SPLASH_MIN_Q_LEN queries on, then jattn's Pallas kernel (Mosaic) for
+#   what splash lacks (dropout, bias, sinks, score_mod, mask_mod, return_residual).
 # * cpu (and any other backend): jattn's own paths; never a kernel in interpret mode.
+# * gpu: cuDNN for the plain calls it takes, then jattn's own Pallas kernel ('pallas') for
+#   every option it covers (dropout, modifiers, block masks, sinks, bias).
 AUTO: dict[str, tuple[str, ...]] = {
-    "gpu": ("cudnn", "blockwise", "dense"),
-    "tpu": ("splash", "blockwise", "dense"),
+    "gpu": ("cudnn", "pallas", "blockwise", "dense"),
+    "tpu": ("splash", "pallas", "blockwise", "dense"),
     "cpu": ("blockwise", "dense"),
 }
 
@@ -345,7 +466,36 @@ def choose(implementation, query, key, value, ops, settings, extras) -> str:
     raise AssertionError("'dense' honours every call")  # unreachable: dense is last
 
 
+def _auto_on(platform: str, *call) -> str:
+    """The automatic rule's route for ``platform`` (the old adapters judge by the host)."""
+    query, key = call[0], call[1]
+    kind = "gpu" if platform in ("cuda", "rocm") else platform
+    for name in AUTO.get(kind, AUTO["cpu"]):
+        pays = PAYS.get(name)
+        if pays is not None and not pays(query, key, kind):
+            continue
+        if name == "pallas":
+            reason = _pallas_obstacle_on(platform, *call)
+        else:
+            reason = ROUTES[name].obstacle(*call)
+        if reason is None:
+            return name
+    raise AssertionError("'dense' honours every call")  # unreachable: dense is last
+
+
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):
-    """Runs the call on the chosen implementation: ``(out, weights, residual)``."""
-    name = choose(implementation, query, key, value, ops, settings, extras)
-    return ROUTES[name].run(query, key, value, ops, settings, extras)
+    """Runs the call on the chosen implementation: ``(out, weights, residual)``.
+
+    Under :func:`jattn.kernels.lowering_platforms`, the automatic rule picks a route per
+    platform and the program carries each (chosen when it is lowered).
+    """
+    call = (query, key, value, ops, settings, extras)
+    platforms = kernels.route_platforms()
+    if implementation is None and platforms:
+        choices = {}
+        for p in platforms:
+            name = _auto_on(p, *call)
+            choices[p] = (name, _pallas_variant(p) if name == "pallas" else None)
+        return _per_platform(choices, call)
+    name = choose(implementation, *call)
+    return ROUTES[name].run(*call)

@@ -313,7 +313,8 @@ def dot_product_attention(
       implementation: ``None`` (automatic), ``'dense'`` (``'xla'``: jax.nn's name for it;
         every transformation, forward-mode autodiff included), ``'blockwise'``
         (FlashAttention-style, memory ``q_len + kv_len``), or an accelerator kernel:
-        ``'cudnn'``, ``'pallas_triton'``, ``'splash'`` (the fast-path guide). One that
+        ``'cudnn'``, ``'pallas_triton'``, ``'splash'``, or jattn's own Pallas kernel
+        ``'pallas'`` (the fast-path guide). One that
         cannot honour the call raises a ValueError naming the option it lacks and what to
         use instead.
       score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``,

@@ -26,6 +26,7 @@ from jattn import _routing, kernels
 from jattn._call import Operands, Settings
 from jattn.kernels import _common
 from jattn.kernels import cudnn as cudnn_adapter
+from jattn.kernels import pallas as pallas_adapter
 from jattn.kernels import pallas_triton as triton_adapter
 from jattn.kernels import splash as splash_adapter
 
@@ -187,7 +188,12 @@ REFUSED = {
     "splash": {},
 }
 
-ADAPTERS = {"cudnn": cudnn_adapter, "pallas_triton": triton_adapter, "splash": splash_adapter}
+ADAPTERS = {
+    "cudnn": cudnn_adapter,
+    "pallas_triton": triton_adapter,
+    "splash": splash_adapter,
+    "pallas": pallas_adapter,
+}
 
 
 def make_inputs(case: Case):

@@ -104,11 +104,16 @@ def test_gpu_picks_cudnn_where_it_can(monkeypatch):
     assert route_of(monkeypatch, q, k, v, precision=jax.lax.Precision.DEFAULT) == "cudnn"
 
 
+# What jattn's own Pallas kernel takes on a GPU when cuDNN cannot (the rest runs dense).
+PALLAS_TAKES = ("dropout", "bias", "return_residual")
+
+
 @pytest.mark.parametrize("option", FALLBACK_OPTIONS)
 def test_gpu_falls_back_for_what_cudnn_lacks(option, monkeypatch):
     on_backend(monkeypatch, "gpu")
     q, k, v = qkv()
-    assert route_of(monkeypatch, q, k, v, is_causal=True, **FALLBACK_OPTIONS[option]) == "dense"
+    expected = "pallas" if option in PALLAS_TAKES else "dense"
+    assert route_of(monkeypatch, q, k, v, is_causal=True, **FALLBACK_OPTIONS[option]) == expected
 
 
 @pytest.mark.parametrize(
@@ -120,14 +125,14 @@ def test_gpu_falls_back_for_what_cudnn_lacks(option, monkeypatch):
         ("window reaching right", {}, dict(local_window_size=(4, 4))),
     ],
 )
-def test_gpu_falls_back_for_inputs_cudnn_rejects(why, inputs, options, monkeypatch):
+def test_gpu_takes_jattns_kernel_for_inputs_cudnn_rejects(why, inputs, options, monkeypatch):
     on_backend(monkeypatch, "gpu")
-    assert route_of(monkeypatch, *qkv(**inputs), **options) == "dense"
-    # The same at a length where jattn's own choice is blockwise (q_len * kv_len >= 4096²).
+    assert route_of(monkeypatch, *qkv(**inputs), **options) == "pallas"
+    # The same at a length where the XLA fallback would be blockwise (q_len * kv_len >= 4096²).
     long = qkv(t=4096, heads=1, kv_heads=1, batch=1, **{"dim": 8, **inputs})
     if why == "segment ids":
         options = dict(query_segment_ids=jnp.zeros((1, 4096), jnp.int32))
-    assert route_of(monkeypatch, *long, **options) == "blockwise"
+    assert route_of(monkeypatch, *long, **options) == "pallas"
 
 
 def test_gpu_without_a_capable_nvidia_gpu_uses_jattn(monkeypatch):
@@ -139,11 +144,12 @@ def test_gpu_without_a_capable_nvidia_gpu_uses_jattn(monkeypatch):
 
 
 def test_gpu_never_picks_pallas_triton(monkeypatch, interpret_mode):
-    """Pallas Triton takes float32 and segment ids, but runs only when asked for by name."""
+    """Pallas Triton takes float32 and segment ids, but runs only when asked for by name
+    (the automatic rule takes jattn's own kernel)."""
     on_backend(monkeypatch, "gpu")
     q, k, v = qkv(dtype=jnp.float32)
     ids = jnp.zeros((2, 64), jnp.int32)
-    assert route_of(monkeypatch, q, k, v, query_segment_ids=ids) == "dense"
+    assert route_of(monkeypatch, q, k, v, query_segment_ids=ids) == "pallas"
     name = route_of(monkeypatch, q, k, v, query_segment_ids=ids, implementation="pallas_triton")
     assert name == "pallas_triton"
 
@@ -171,7 +177,8 @@ def test_tpu_falls_back_for_what_splash_lacks(option, monkeypatch):
     for name in ("mask", "bias"):
         if name in options:
             options[name] = jnp.ones((128, 128), options[name].dtype)
-    assert route_of(monkeypatch, q, k, v, is_causal=True, **options) == "dense"
+    expected = "pallas" if option in PALLAS_TAKES else "dense"  # jattn's Mosaic kernel
+    assert route_of(monkeypatch, q, k, v, is_causal=True, **options) == expected
 
 
 def test_tpu_falls_back_for_float16(monkeypatch):
@@ -465,11 +472,11 @@ def test_splash_takes_a_bare_softcap_and_kernels_refuse_other_modifiers(
         jattn.dot_product_attention(q, k, v, score_mod=cap, sinks=sinks, implementation="splash")
     on_backend(monkeypatch, "tpu")
     assert route_of(monkeypatch, q, k, v, is_causal=True, score_mod=cap) == "splash"
-    assert route_of(monkeypatch, q, k, v, is_causal=True, mask_mod=mods.causal()) == "dense"
+    assert route_of(monkeypatch, q, k, v, is_causal=True, mask_mod=mods.causal()) == "pallas"
     on_backend(monkeypatch, "gpu")
     bf = qkv(t=128)
     assert route_of(monkeypatch, *bf, is_causal=True) == "cudnn"
-    assert route_of(monkeypatch, *bf, is_causal=True, score_mod=cap) == "dense"
+    assert route_of(monkeypatch, *bf, is_causal=True, score_mod=cap) == "pallas"
 
 
 # ----------------------------------------------------------------------------------------

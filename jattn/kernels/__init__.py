@@ -14,7 +14,14 @@ The kernels:
 * :mod:`jattn.kernels.pallas_triton`: the Pallas GPU (Triton) flash attention,
   ``jax.experimental.pallas.ops.gpu.attention.mha`` (GPUs; CPU in interpret mode);
 * :mod:`jattn.kernels.splash`: Pallas splash attention,
-  ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPUs; CPU in interpret mode).
+  ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPUs; CPU in interpret mode);
+* :mod:`jattn.kernels.pallas`: jattn's own Pallas flash attention (``'pallas'``: Triton
+  on GPUs, Mosaic on TPUs, CPU in interpret mode), the first adapter on the
+  :class:`KernelQuery` contract, with jattn's whole call (dropout, modifiers, block
+  masks, sinks, bias).
+
+:func:`lowering_platforms` makes the routing choose one route per platform, at lowering
+time, for programs lowered or exported for other platforms than the host's.
 
 No module here imports a kernel at import time: jax's kernel modules load on first use
 (the Pallas GPU module warns of its deprecation on import from jax 0.12 on).
@@ -22,6 +29,7 @@ No module here imports a kernel at import time: jax's kernel modules load on fir
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from jattn import _util
@@ -34,6 +42,8 @@ __all__ = [
     "KernelQuery",
     "adapter",
     "interpret_requested",
+    "lowering_platforms",
+    "route_platforms",
 ]
 
 
@@ -54,6 +64,32 @@ def interpret_requested() -> bool:
     return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+# The platforms the automatic rule routes for (one route each, chosen at lowering time by
+# jax.lax.platform_dependent); None: the host's default backend only.
+_ROUTE_PLATFORMS: list[tuple[str, ...] | None] = [None]
+
+
+def route_platforms() -> tuple[str, ...] | None:
+    """The platforms set by :func:`lowering_platforms` (None: the default backend only)."""
+    return _ROUTE_PLATFORMS[-1]
+
+
+@contextlib.contextmanager
+def lowering_platforms(*platforms: str):
+    """Routes jattn calls traced while active for each of ``platforms`` ('cpu', 'cuda',
+    'tpu'): one program carries each platform's route (``jax.lax.platform_dependent``),
+    e.g. around ``jax.export(f, platforms=['cpu', 'cuda', 'tpu'])`` or
+    ``jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`` from a CPU host."""
+    for p in platforms:
+        if p not in ("cpu", "cuda", "rocm", "tpu"):
+            raise ValueError(f"lowering_platforms takes 'cpu', 'cuda', 'rocm' or 'tpu', got {p!r}.")
+    _ROUTE_PLATFORMS.append(tuple(platforms))
+    try:
+        yield
+    finally:
+        _ROUTE_PLATFORMS.pop()
+
+
 def adapter(name: str) -> Kernel:
     """The adapter module for ``name`` (one of :data:`KERNELS`), imported on first use."""
     if name == "cudnn":
@@ -62,6 +98,8 @@ def adapter(name: str) -> Kernel:
         from jattn.kernels import pallas_triton as module
     elif name == "splash":
         from jattn.kernels import splash as module
+    elif name == "pallas":
+        from jattn.kernels import pallas as module
     else:
         raise ValueError(f"no kernel adapter named {name!r}; expected one of {KERNELS}.")
     return module

@@ -1,0 +1,162 @@
+"""Lowering jattn calls for other platforms from this host: each platform's route is chosen
+when the program is lowered, and GPU and TPU programs carry jattn's own Pallas kernels.
+
+Under :func:`jattn.kernels.lowering_platforms` the routing picks a route per platform; the
+lowered module must hold the kernels' custom calls (``__gpu$xla.gpu.triton`` for Triton,
+``tpu_custom_call`` for Mosaic: one for the forward pass, three with the gradient:
+forward, dK/dV, dQ) and no XLA tile loop (``stablehlo.while``) or attention product
+(``stablehlo.dot_general``) of its own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import kernels, mods
+
+TRITON = "__gpu$xla.gpu.triton"
+CUSTOM_CALL = {"cuda": TRITON, "tpu": "tpu_custom_call"}
+B, T, H, K, D = 2, 128, 4, 2, 64
+
+
+def _inputs(dtype=jnp.bfloat16):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    kv = jnp.asarray(rng.standard_normal((B, T, K, D)), dtype)
+    return q, kv, kv
+
+
+IDS = jnp.asarray(np.repeat(np.arange(4), T // 4)[None].repeat(B, 0), jnp.int32)
+OPTIONS = {
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(32, 0)),
+    "lengths": dict(
+        is_causal=True,
+        query_seq_lengths=jnp.array([100, 7]),
+        key_value_seq_lengths=jnp.array([90, 128]),
+    ),
+    "segments": dict(query_segment_ids=IDS),
+    "bias": dict(bias=jnp.zeros((1, H, T, T), jnp.bfloat16)),
+    "sinks": dict(is_causal=True, sinks=jnp.zeros((H,))),
+    "softcap": dict(is_causal=True, score_mod=mods.softcap(30.0)),
+    "alibi": dict(is_causal=True, score_mod=mods.alibi(mods.alibi_slopes(H))),
+    "elementwise score_mod": dict(
+        score_mod=lambda s, b, h, q, k: 0.5 * s + jnp.where(q >= k, 0.0, -1.0)
+    ),
+    "dropout": dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    "document": dict(mask_mod=mods.causal() & mods.document(IDS)),
+    "mask_mod": dict(mask_mod=lambda b, h, q, k: (q - k) % 4 != 3),
+    "return_residual": dict(is_causal=True, return_residual=True),
+}
+
+
+def _loss(options, implementation):
+    def loss(q, k, v):
+        out = jattn.dot_product_attention(q, k, v, implementation=implementation, **options)
+        if isinstance(out, tuple):
+            return jnp.sum(out[0].astype(jnp.float32)) + jnp.sum(out[1])
+        return jnp.sum(out.astype(jnp.float32))
+
+    return loss
+
+
+def _lowered(fn, *args, platforms=("cuda",)) -> str:
+    with kernels.lowering_platforms(*platforms):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("implementation", ["pallas", None])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_lowering_carries_the_kernel(option, implementation, platform):
+    loss = _loss(OPTIONS[option], implementation)
+    args = _inputs()
+    forward = _lowered(loss, *args, platforms=(platform,))
+    backward = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args, platforms=(platform,))
+    splash = implementation is None and platform == "tpu" and "splash_m" in forward
+    if splash:  # lowered for a TPU alone, the automatic rule takes splash where it suffices
+        assert backward.count(CUSTOM_CALL[platform]) >= 2
+    else:
+        assert forward.count(CUSTOM_CALL[platform]) == 1
+        assert backward.count(CUSTOM_CALL[platform]) == 3
+    for text in (forward, backward):
+        if not splash:  # (splash's own backward computes its row sums with XLA)
+            assert "stablehlo.dot_general" not in text
+        if option != "mask_mod":  # a mask_mod's tile states are evaluated once, by a loop
+            assert "stablehlo.while" not in text
+
+
+def test_cuda_lowering_of_float32_and_a_bias_gradient():
+    q, k, v = _inputs(jnp.float32)
+    bias = jnp.zeros((B, 1, 1, T), jnp.float32)
+
+    def loss(q, bias):
+        out = jattn.dot_product_attention(q, k, v, bias=bias, implementation="pallas")
+        return jnp.sum(out)
+
+    assert _lowered(jax.grad(loss, argnums=(0, 1)), q, bias).count(TRITON) == 3
+
+
+def test_pallas_triton_lowers_for_cuda_from_this_host():
+    """The old adapters judge by the one platform routed for, not by the host."""
+    q, k, v = _inputs()
+    loss = _loss(dict(is_causal=True), "pallas_triton")
+    assert _lowered(jax.grad(loss, argnums=(0, 1, 2)), q, k, v).count(TRITON) >= 2
+
+
+def test_export_for_cpu_and_cuda_runs_on_cpu():
+    """One exported program holds the CPU route and the CUDA kernels; on this CPU host it
+    runs the CPU route and agrees with the dense path."""
+    q, k, v = _inputs(jnp.float32)
+    options = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(1))
+    loss = _loss(options, None)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+    with kernels.lowering_platforms("cpu", "cuda"):
+        exported = jax.export.export(
+            jax.jit(grad), platforms=["cpu", "cuda"], disabled_checks=checks
+        )(q, k, v)
+    assert exported.platforms == ("cpu", "cuda")
+    assert exported.mlir_module().count(TRITON) == 3
+    got = exported.call(q, k, v)
+    expected = jax.grad(_loss(options, "dense"), argnums=(0, 1, 2))(q, k, v)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, atol=2e-5)
+
+
+def test_refusals_name_their_reason():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match=r"runs on NVIDIA GPUs \('cuda'\) and TPUs, not on cpu"):
+        jattn.dot_product_attention(q, k, v, implementation="pallas")
+    mask = jnp.ones((T, T), bool)
+
+    def masked(q):
+        return jattn.dot_product_attention(q, k, v, mask=mask, implementation="pallas")
+
+    with kernels.lowering_platforms("cuda"), pytest.raises(ValueError, match="a mask array"):
+        jax.jit(masked).trace(q)
+    with kernels.lowering_platforms("cpu", "tpu"), pytest.raises(ValueError, match="on cpu: "):
+        jax.jit(lambda q: jattn.dot_product_attention(q, k, v, implementation="pallas")).trace(q)
+    gather = dict(score_mod=lambda s, b, h, q, k: s + jnp.arange(H, dtype=s.dtype)[h])
+    with (
+        kernels.lowering_platforms("cuda"),
+        pytest.raises(ValueError, match="score_mod using gather"),
+    ):
+        jax.jit(
+            lambda q: jattn.dot_product_attention(q, k, v, implementation="pallas", **gather)
+        ).trace(q)
+    with pytest.raises(ValueError, match="lowering_platforms takes"):
+        with kernels.lowering_platforms("gpu"):
+            pass
+
+
+def test_a_gathering_modifier_keeps_the_xla_route_on_gpu():
+    """The automatic rule never answers differently: a gather keeps the XLA route on GPU."""
+    q, k, v = _inputs()
+    gather = dict(score_mod=lambda s, b, h, q, k: s + jnp.arange(H, dtype=s.dtype)[h])
+    text = _lowered(_loss(gather, None), q, k, v)
+    assert TRITON not in text
