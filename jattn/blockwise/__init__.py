@@ -14,10 +14,12 @@ each importing only those above it:
 * :mod:`~jattn.blockwise._layout`: the entry: a validated call in tile layout.
 
 The names below are the internal API that jattn's other paths build on (ring attention:
-:func:`make_config`, :func:`forward`, :func:`backward`; routing: :func:`attention`); they
+:func:`make_config`, :func:`forward`, :func:`backward`; routing: :func:`attention`; the
+Pallas kernels: :func:`hoist`, :func:`tile_layout`, :func:`coarsen`); they
 take validated, cast inputs and may change.
 """
 
+from jattn.blockwise._closure import hoist
 from jattn.blockwise._config import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
@@ -28,8 +30,9 @@ from jattn.blockwise._config import (
     default_tiles,
     make_config,
 )
-from jattn.blockwise._layout import attention, head_splits, tile_flags
+from jattn.blockwise._layout import attention, head_splits, tile_flags, tile_layout
 from jattn.blockwise._passes import backward, forward
+from jattn.blockwise._schedule import coarsen
 
 __all__ = [
     "DEFAULT_BLOCK_K",
@@ -39,10 +42,13 @@ __all__ = [
     "Tiles",
     "attention",
     "backward",
+    "coarsen",
     "cpu_kind",
     "default_tiles",
     "forward",
     "head_splits",
+    "hoist",
     "make_config",
     "tile_flags",
+    "tile_layout",
 ]

@@ -29,11 +29,11 @@ No module here imports a kernel at import time: jax's kernel modules load on fir
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from jattn import _util
 from jattn.kernels._contract import Kernel, KernelQuery
+from jattn.kernels._platforms import lowering_platforms, route_platforms
 
 __all__ = [
     "INTERPRET_ENV",
@@ -62,32 +62,6 @@ def interpret_requested() -> bool:
     but the kernel's own code and its own VJP, so CPU tests check what a TPU or GPU runs.
     """
     return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-# The platforms the automatic rule routes for (one route each, chosen at lowering time by
-# jax.lax.platform_dependent); None: the host's default backend only.
-_ROUTE_PLATFORMS: list[tuple[str, ...] | None] = [None]
-
-
-def route_platforms() -> tuple[str, ...] | None:
-    """The platforms set by :func:`lowering_platforms` (None: the default backend only)."""
-    return _ROUTE_PLATFORMS[-1]
-
-
-@contextlib.contextmanager
-def lowering_platforms(*platforms: str):
-    """Routes jattn calls traced while active for each of ``platforms`` ('cpu', 'cuda',
-    'tpu'): one program carries each platform's route (``jax.lax.platform_dependent``),
-    e.g. around ``jax.export(f, platforms=['cpu', 'cuda', 'tpu'])`` or
-    ``jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`` from a CPU host."""
-    for p in platforms:
-        if p not in ("cpu", "cuda", "rocm", "tpu"):
-            raise ValueError(f"lowering_platforms takes 'cpu', 'cuda', 'rocm' or 'tpu', got {p!r}.")
-    _ROUTE_PLATFORMS.append(tuple(platforms))
-    try:
-        yield
-    finally:
-        _ROUTE_PLATFORMS.pop()
 
 
 def adapter(name: str) -> Kernel:

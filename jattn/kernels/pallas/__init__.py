@@ -43,9 +43,9 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _closure, _prng, block_masks, mods
-from jattn import _tile_mods as tm
+from jattn import _prng, _util, block_masks, blockwise, mods
 from jattn.kernels import _common as adapters_common
+from jattn.kernels import _platforms
 from jattn.kernels.pallas import _common as C
 from jattn.kernels.pallas import _flash
 
@@ -201,11 +201,12 @@ def obstacle(query) -> str | None:
         )
     if query.needs_dense is not None:
         return query.needs_dense
+    # It takes a bias and dropout itself: the shared refusals are asked without them.
     reason = adapters_common.common_obstacle(
-        has_mask=query.has_mask, has_bias=False, dropout=False,
-        return_weights=query.return_weights, dtype=query.dtype, dtypes=_DTYPES,
+        query._replace(has_bias=False, dropout=False),
+        dtypes=_DTYPES,
         kernel="jattn's Pallas kernel",
-    )  # fmt: skip
+    )
     if reason is not None:
         return reason
     if query.platform == "tpu" and jnp.dtype(query.dtype) == jnp.float16:
@@ -248,9 +249,7 @@ def _blocks(q_len: int, kv_len: int, interpret: bool, mosaic: bool):
 def _layout(interpret: bool, head_dim: int, mosaic: bool) -> _flash.Layout:
     if interpret:
         return _flash.Layout(None, True)
-    from jattn import kernels
-
-    several = len(kernels.route_platforms() or ()) > 1
+    several = len(_platforms.route_platforms() or ()) > 1
     if mosaic:
         return _flash.Layout(None, False, "tpu" if several else None)
     from jattn.kernels.pallas import gpu
@@ -269,7 +268,7 @@ def _hoist(fn, kind: str, blocks) -> tuple[dict, list]:
         args = (
             [jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.float32)] if kind == "score" else []
         ) + index
-        fn_at, consts_at = _closure.hoist(fn, *args)
+        fn_at, consts_at = blockwise.hoist(fn, *args)
         if consts is not None and len(consts_at) != len(consts):
             raise NotImplementedError(
                 f"the {kind}_mod closes over different arrays per tile shape."
@@ -303,8 +302,8 @@ def attention(q, k, v, ops, settings, *, interpret: bool, platform: str | None =
     lcm_q = math.lcm(fwd_block[0], bwd_block[0])
     lcm_k = math.lcm(fwd_block[1], bwd_block[1])
     padded_q, padded_kv = (
-        adapters_common.round_up(q_len, lcm_q),
-        adapters_common.round_up(kv_len, lcm_k),
+        _util.round_up(q_len, lcm_q),
+        _util.round_up(kv_len, lcm_k),
     )
     d_pad, dv_pad = _pow2(head_dim), _pow2(v_dim)
     has_segments = ops.q_segments is not None
@@ -328,7 +327,7 @@ def attention(q, k, v, ops, settings, *, interpret: bool, platform: str | None =
     _lengths(ins, spec, ops, n)
     _segments(ins, spec, ops, document, n, q_len, kv_len, padded_q, padded_kv)
     if ops.bias is not None:
-        bias = tm.tile_layout(ops.bias, batch_shape, heads, kv_heads, padded_q, padded_kv)
+        bias = blockwise.tile_layout(ops.bias, batch_shape, heads, kv_heads, padded_q, padded_kv)
         bias = bias.reshape(bias.shape[0], bias.shape[1] * bias.shape[2], *bias.shape[3:])
         if mosaic and bias.shape[-1] == 1:  # TPU blocks cannot split a size-1 key axis
             bias = jnp.broadcast_to(bias, (*bias.shape[:-1], padded_kv))
@@ -408,6 +407,20 @@ def _dropout(ins, spec, ops, settings, n, heads, q_len, padded_q) -> None:
     spec["dropout"] = True
 
 
+def _block_states(mask_mod, bm, *, n, num_heads, q_len, kv_len, block) -> jax.Array:
+    """int8 ``[nq, nk]`` tile states at ``block`` (EMPTY / PARTIAL / FULL of
+    :mod:`jattn.block_masks`), combined over batch rows and heads: the block mask's when it
+    is given at that block, else built from ``mask_mod`` once per call."""
+    if bm is None or (bm.block_q, bm.block_k) != block:
+        bm = block_masks.block_mask(
+            mask_mod, q_len=q_len, kv_len=kv_len, batch_shape=n, num_heads=num_heads,
+            block_q=block[0], block_k=block[1],
+        )  # fmt: skip
+    needed, full = bm.tile_flags()
+    states = jnp.where(full, block_masks.FULL, jnp.where(needed, block_masks.PARTIAL, 0))
+    return states.astype(jnp.int8)
+
+
 def _states(ins, spec, settings, ops, mask_rest, n, heads, q_len, kv_len, padded_q, padded_kv):
     """Block-mask tile states at the forward and backward tiles (EMPTY past the lengths):
     a block mask's, coarsened when the tiles are multiples of its blocks; else evaluated
@@ -418,13 +431,13 @@ def _states(ins, spec, settings, ops, mask_rest, n, heads, q_len, kv_len, padded
         nq, nk = padded_q // block[0], padded_kv // block[1]
         given = None if bm is None else (bm.block_q, bm.block_k)
         if given is not None and block[0] % given[0] == 0 and block[1] % given[1] == 0:
-            states = tm.block_states(
+            states = _block_states(
                 settings.mask_mod, bm, n=n, num_heads=heads, q_len=q_len, kv_len=kv_len, block=given
             )
-            needed, full = tm.coarsen(states, given, block, nq, nk)
+            needed, full = blockwise.coarsen(states, given, block, nq, nk)
             states = jnp.where(full, block_masks.FULL, jnp.where(needed, block_masks.PARTIAL, 0))
         elif mask_rest is not None:
-            states = tm.block_states(
+            states = _block_states(
                 settings.mask_mod, bm, n=n, num_heads=heads, q_len=q_len, kv_len=kv_len, block=block
             )
             pad = ((0, nq - states.shape[0]), (0, nk - states.shape[1]))

@@ -63,7 +63,7 @@ class Spec:
     dropout_rows: tuple[bool, bool] = (True, True)  # row keys vary along (N, H)
     softcap: float | None = None
     alibi: bool | None = None  # None: no ALiBi; else symmetric
-    # The generic modifiers, hoisted (jattn._closure.hoist) once per tile shape the kernels
+    # The generic modifiers, hoisted (jattn.blockwise.hoist) once per tile shape the kernels
     # use: ``{(bq, bk): fn}`` with the constants trailing; None without one.
     score_mods: dict | None = None
     score_float: tuple[bool, ...] = ()
