@@ -89,6 +89,17 @@ __all__ = [
     "update_and_attend",
 ]
 
+# The paged cache lives in jattn.paged (which builds on this module); re-exported here.
+_PAGED_NAMES = ("PagedKVCache", "init_paged_cache")
+
+
+def __getattr__(name: str):
+    if name in _PAGED_NAMES:
+        from jattn import paged
+
+        return getattr(paged, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 Array = jax.Array
 
 # dot_product_attention keywords that attend() computes itself from the cache.
@@ -744,7 +755,8 @@ def update_and_attend(
     """Appends a chunk's keys and values, then attends its queries: one decoding step.
 
     Args:
-      cache: a :class:`KVCache`.
+      cache: a :class:`KVCache`, :class:`RollingKVCache` or :class:`PagedKVCache` (this
+        call is then :func:`jattn.paged.update_and_attend`).
       query: ``[batch..., T, num_heads, head_dim]``.
       key: ``[batch..., T, num_kv_heads, head_dim]``.
       value: ``[batch..., T, num_kv_heads, v_head_dim]``.
@@ -759,6 +771,14 @@ def update_and_attend(
       are the cache's slots before the chunk, then the chunk's (:func:`rolling_mask`), so
       ``mask`` and the weights have ``capacity + T`` keys.
     """
+    from jattn import paged  # here, not at the top: jattn.paged imports this module
+
+    if isinstance(cache, paged.PagedKVCache):
+        return paged.update_and_attend(
+            cache, query, key, value, num_new=num_new, mask=mask, is_causal=is_causal,
+            local_window_size=local_window_size, score_mod=score_mod, mask_mod=mask_mod,
+            causal=causal, window=window, **attention_kwargs,
+        )  # fmt: skip
     cache = _check_cache(cache)
     is_causal, window = _mask_options(
         is_causal, local_window_size, causal, window, "update_and_attend"
