@@ -100,6 +100,7 @@ def __getattr__(name: str):
         return getattr(paged, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 Array = jax.Array
 
 # dot_product_attention keywords that attend() computes itself from the cache.
