@@ -62,6 +62,11 @@ length, a long prompt included, equals full windowed attention
 then it writes the chunk's last ``capacity`` real tokens. A rolling cache never
 overflows, and :func:`attend` alone (after :func:`append`) refuses it: the append may
 have overwritten keys the chunk's first queries need.
+
+**Paged caches** (:class:`PagedKVCache`, :func:`init_paged_cache`, from :mod:`jattn.paged`)
+hold a page pool shared by all rows and a page table per row, so memory follows the tokens
+held; :func:`update_and_attend` takes one too (and is then
+:func:`jattn.paged.update_and_attend`), so the modules decode through it unchanged.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ from jattn import masks as masks_lib
 
 __all__ = [
     "KVCache",
+    "PagedKVCache",  # noqa: F822 (module __getattr__: from jattn.paged)
     "RollingKVCache",
     "append",
     "attend",
@@ -85,6 +91,7 @@ __all__ = [
     "decode_mask",
     "fits",
     "init_cache",
+    "init_paged_cache",  # noqa: F822
     "rolling_mask",
     "update_and_attend",
 ]

@@ -53,6 +53,7 @@ from jattn import _checks, kvcache
 __all__ = [
     "PagedKVCache",
     "append",
+    "capacity",
     "gather",
     "init_paged_cache",
     "page_size",
