@@ -34,6 +34,12 @@ absolute positions, ``sinks`` and the other :func:`jattn.dot_product_attention` 
 so a paged step equals a contiguous one. There is no rolling (modulo-capacity) mode: a
 paged cache frees memory by pages instead, and a sliding window is ``local_window_size``.
 
+**int8 pages** (``init_paged_cache(..., quantized=True)``): keys and values are stored
+as int8 with one float32 scale per token and head (``max |x| / 127`` over ``head_dim``,
+rounded to nearest), a quarter of float32's memory; reading dequantizes them to float32.
+The attention error this adds is measured in ``tests/test_paged.py`` and
+``benchmarks/bench_serving.py`` (the logits against float32 pages).
+
 **Capacity.** A row holds ``page_table.shape[-1] * page_size`` positions. As with
 :class:`jattn.kvcache.KVCache`, an eager call whose chunk does not fit raises a ValueError;
 under ``jax.jit`` tokens past the table (or on unallocated pages) are not written,
@@ -74,12 +80,17 @@ class PagedKVCache(NamedTuple):
         holding positions ``i * page_size ... (i + 1) * page_size - 1`` of row ``b``; a
         value outside ``[0, num_pages)`` marks a page not allocated.
       lengths: int32 ``[batch...]``: positions filled in each row.
+      k_scales: int8 pages only: float32 ``[num_pages, page_size, num_kv_heads]``, the
+        scale of each stored key (``key = k_pages * k_scales``); None for float pages.
+      v_scales: the same for the values.
     """
 
     k_pages: Array
     v_pages: Array
     page_table: Array
     lengths: Array
+    k_scales: Array | None = None
+    v_scales: Array | None = None
 
 
 def page_size(cache: PagedKVCache) -> int:
@@ -107,6 +118,7 @@ def init_paged_cache(
     *,
     v_head_dim: int | None = None,
     dtype: Any = jnp.float32,
+    quantized: bool = False,
 ) -> PagedKVCache:
     """An empty paged cache: zero pools, every page table entry unallocated, zero lengths.
 
@@ -119,7 +131,10 @@ def init_paged_cache(
       num_kv_heads: key/value heads.
       head_dim: width of each key head.
       v_head_dim: width of each value head; default ``head_dim``.
-      dtype: dtype of the pools (appended chunks are cast to it).
+      dtype: dtype of the pools (appended chunks are cast to it); ignored with
+        ``quantized``.
+      quantized: int8 pools with a float32 scale per token and head (see the module
+        docstring); they read back as float32.
 
     Returns:
       ``PagedKVCache(k_pages [num_pages, page_size, num_kv_heads, head_dim], v_pages,
@@ -141,11 +156,19 @@ def init_paged_cache(
     head_dim = _checks.size(head_dim, "head_dim")
     v_head_dim = head_dim if v_head_dim is None else _checks.size(v_head_dim, "v_head_dim")
     dtype = _checks.float_dtype(dtype, "dtype")
+    _checks.flag(quantized, "quantized")
+    dtype = jnp.int8 if quantized else dtype
+
+    def scales():  # two buffers (one shared buffer could not be donated as both)
+        return jnp.zeros((num_pages, size, num_kv_heads), jnp.float32) if quantized else None
+
     return PagedKVCache(
         k_pages=jnp.zeros((num_pages, size, num_kv_heads, head_dim), dtype),
         v_pages=jnp.zeros((num_pages, size, num_kv_heads, v_head_dim), dtype),
         page_table=jnp.full((*batch_shape, pages_per_seq), num_pages, jnp.int32),
         lengths=jnp.zeros(batch_shape, jnp.int32),
+        k_scales=scales(),
+        v_scales=scales(),
     )
 
 
@@ -160,7 +183,17 @@ def _check_cache(cache) -> PagedKVCache:
             f"cache must be a jattn.kvcache.PagedKVCache (from init_paged_cache), got "
             f"{type(cache).__name__}."
         )
-    k, v, table, lengths = cache
+    k, v, table, lengths, k_scales, v_scales = cache
+    if (k_scales is None) != (v_scales is None) or (k_scales is not None) != (k.dtype == jnp.int8):
+        raise ValueError(
+            "a paged cache has int8 pages and both k_scales and v_scales, or float pages and "
+            "neither; build it with init_paged_cache(..., quantized=True/False)."
+        )
+    if k_scales is not None and (k_scales.shape != k.shape[:3] or v_scales.shape != v.shape[:3]):
+        raise ValueError(
+            f"k_scales and v_scales must be [num_pages, page_size, num_kv_heads] = {k.shape[:3]}, "
+            f"got {k_scales.shape} and {v_scales.shape}."
+        )
     if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(
             "k_pages and v_pages must be [num_pages, page_size, num_kv_heads, dim] with the same "
@@ -246,7 +279,8 @@ def _append(cache: PagedKVCache, key: Array, value: Array, num_new: Array) -> Pa
     num_pages, size = cache.k_pages.shape[:2]
     table = cache.page_table.reshape(-1, cache.page_table.shape[-1])  # [N, P]
     n, width = table.shape
-    t = jnp.arange(key.shape[-3], dtype=jnp.int32)[None, :]  # [1, T]
+    chunk_len = key.shape[-3]
+    t = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [1, T]
     pos = cache.lengths.reshape(n, 1) + t  # [N, T]: each token's position
     # [N, T]: the page of each position (out-of-table positions read an unallocated entry)
     page = jnp.take_along_axis(table, jnp.minimum(pos // size, width - 1), axis=1)
@@ -257,15 +291,33 @@ def _append(cache: PagedKVCache, key: Array, value: Array, num_new: Array) -> Pa
 
     def write(pool: Array, x: Array) -> Array:
         flat = pool.reshape(num_pages * size, *pool.shape[2:])
-        rows = x.reshape(n, x.shape[-3], *pool.shape[2:]).astype(pool.dtype)
+        rows = x.reshape(n, chunk_len, *pool.shape[2:]).astype(pool.dtype)
         return flat.at[dest].set(rows, mode="drop").reshape(pool.shape)
 
+    k_scales = v_scales = None
+    if cache.k_scales is not None:
+        (key, k_scales), (value, v_scales) = (
+            _quantize(x, pool, scales, write)
+            for x, pool, scales in ((key, cache.k_pages, cache.k_scales), (value, cache.v_pages, cache.v_scales))
+        )  # fmt: skip
     return PagedKVCache(
         k_pages=write(cache.k_pages, key),
         v_pages=write(cache.v_pages, value),
         page_table=cache.page_table,
         lengths=jnp.minimum(cache.lengths + num_new, width * size).astype(jnp.int32),
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
+
+
+def _quantize(x: Array, pool: Array, scales: Array, write) -> tuple[Array, Array]:
+    """``x [..., D]`` as int8 and its per-token, per-head scales written into ``scales``."""
+    x = x.astype(jnp.float32)
+    # [..., K]: max |x| / 127 over head_dim; an all-zero vector gets scale 1 (stored as 0s)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, write(scales, scale)
 
 
 def gather(cache: PagedKVCache) -> kvcache.KVCache:
@@ -286,7 +338,11 @@ def _gather(cache: PagedKVCache) -> kvcache.KVCache:
         pages = pool.at[cache.page_table].get(mode="fill", fill_value=0)
         return pages.reshape(*cache.page_table.shape[:-1], width * size, *pool.shape[2:])
 
-    return kvcache.KVCache(read(cache.k_pages), read(cache.v_pages), cache.lengths)
+    keys, values = read(cache.k_pages), read(cache.v_pages)
+    if cache.k_scales is not None:  # int8 pages: dequantized to float32
+        keys = keys.astype(jnp.float32) * read(cache.k_scales)[..., None]
+        values = values.astype(jnp.float32) * read(cache.v_scales)[..., None]
+    return kvcache.KVCache(keys, values, cache.lengths)
 
 
 # ----------------------------------------------------------------------------------------

@@ -190,3 +190,24 @@ def test_bad_input_is_named():
         paged.append(cache, jnp.zeros((2, 1, K, D)), jnp.zeros((2, 1, K, D)), num_new=[2, 0])
     with pytest.raises(ValueError, match="page_size must be >= 1"):
         paged.init_paged_cache(2, 4, 0, 2, K, D)
+
+
+def test_int8_pages_round_trip_within_half_a_step_and_attend_close_to_float():
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, 10)
+    base = shuffled_cache(rng)
+    quant = paged.init_paged_cache(B, POOL, PAGE, WIDTH, K, D, quantized=True)
+    quant = quant._replace(page_table=base.page_table)
+    assert quant.k_pages.dtype == jnp.int8 and quant.k_scales.shape == (POOL, PAGE, K)
+    n = jnp.asarray([10, 4, 7])
+    fo, _ = paged.update_and_attend(base, q, k, v, num_new=n)
+    qo, quant = jax.jit(paged.update_and_attend)(quant, q, k, v, num_new=n)
+    view = paged.gather(quant)
+    # numpy: each stored vector is within half a quantization step (max|x| / 254) of x
+    for b, m in enumerate(np.asarray(n)):
+        for got, x in ((view.keys[b, :m], k[b, :m]), (view.values[b, :m], v[b, :m])):
+            x = np.asarray(x, np.float64)
+            step = np.abs(x).max(-1, keepdims=True) / 127.0
+            assert np.all(np.abs(np.asarray(got) - x) <= step / 2 + 1e-6)
+    err = np.abs(np.asarray(qo) - np.asarray(fo)).max() / np.abs(np.asarray(fo)).max()
+    assert 0 < err < 0.02, err  # int8 changes the output, by under 2% of its range

@@ -170,7 +170,8 @@ def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, 
 
     Args:
       graphdef, state: the model without caches (``nnx.split``).
-      pools: per layer ``(k_pages, v_pages)`` (donated: written in place).
+      pools: per layer ``(k_pages, v_pages)``, and ``(k_scales, v_scales)`` with int8
+        pages (donated: written in place).
       table: int32 ``[B, W]``: the rows' page tables, ``W`` pages wide.
       lengths: int32 ``[B]``: tokens each row holds before the chunk.
       tokens: int32 ``[B, T]``; ``num_new`` int32 ``[B]`` of them are real per row.
@@ -182,8 +183,8 @@ def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, 
       ``(next_tokens int32 [B], pools)``.
     """
     model = nnx.merge(graphdef, state)
-    for block, (k_pages, v_pages) in zip(model.trf_blocks, pools, strict=True):
-        block.att.cache = nnx.Cache(paged.PagedKVCache(k_pages, v_pages, table, lengths))
+    for block, (k_pages, v_pages, *scales) in zip(model.trf_blocks, pools, strict=True):
+        block.att.cache = nnx.Cache(paged.PagedKVCache(k_pages, v_pages, table, lengths, *scales))
     # [B, T, V] -> [B, V]: the logits after each row's last real token
     logits = model(tokens, deterministic=True, decode=True, num_new=num_new)
     last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(num_new - 1, 0)]
@@ -198,8 +199,14 @@ def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, 
             return jgen.sample_next(row_logits, k, temperature=temperature, top_k=top_k)
 
         picked = jax.vmap(one)(last, ids)
-    caches = [block.att.cache.get_value() for block in model.trf_blocks]
-    return picked, [(c.k_pages, c.v_pages) for c in caches]
+    return picked, [_pool(block.att.cache.get_value()) for block in model.trf_blocks]
+
+
+def _pool(cache: paged.PagedKVCache) -> tuple[Array, ...]:
+    """A layer's pool arrays: ``(k_pages, v_pages)``, and the scales of int8 pages."""
+    if cache.k_scales is None:
+        return cache.k_pages, cache.v_pages
+    return cache.k_pages, cache.v_pages, cache.k_scales, cache.v_scales
 
 
 # ----------------------------------------------------------------------------------------
@@ -259,7 +266,9 @@ def _need(req: _Request, size: int) -> int:
 class _Server:
     """Runs the requests through the slots; see :func:`generate_many`."""
 
-    def __init__(self, model, requests, slots, eos, sampling, page_size, num_pages, chunk, share):
+    def __init__(
+        self, model, requests, slots, eos, sampling, page_size, num_pages, chunk, share, int8
+    ):
         decoder = nnx.merge(*nnx.split(model))  # a copy: the caller's model keeps its caches
         for block in decoder.trf_blocks:
             if hasattr(block.att, "cache"):
@@ -274,12 +283,15 @@ class _Server:
         self.table = np.full((slots, self.max_pages), num_pages, np.int32)
         self.lengths = np.zeros(slots, np.int32)
         self.last = np.zeros(slots, np.int32)
-        dtype = model.dtype
-        att = [block.att for block in decoder.trf_blocks]
         self.pools = [
-            tuple(jnp.zeros((num_pages, page_size, a.kv_heads, a.head_dim), dtype) for _ in "kv")
-            for a in att
-        ]
+            _pool(
+                paged.init_paged_cache(
+                    1, num_pages, page_size, 1, block.att.kv_heads, block.att.head_dim,
+                    dtype=model.dtype, quantized=int8,
+                )
+            )
+            for block in decoder.trf_blocks
+        ]  # fmt: skip
         self.decode_steps = self.prefill_chunks = self.shared = 0
         self.held: list[int] = []
         self.programs: set[tuple[int, int, int]] = set()
@@ -452,6 +464,7 @@ def generate_many(
     num_pages: int | None = None,
     prefill_chunk: int = 64,
     share_prefixes: bool = True,
+    kv_int8: bool = False,
     return_stats: bool = False,
 ) -> list[np.ndarray] | tuple[list[np.ndarray], ServingStats]:
     """Generates a continuation for each prompt, ``slots`` requests at a time.
@@ -478,6 +491,9 @@ def generate_many(
       prefill_chunk: prompt tokens fed per prefill step (a fixed shape).
       share_prefixes: a request whose prompt begins with full pages a live request wrote
         reuses them instead of recomputing them.
+      kv_int8: int8 KV pages with per-token, per-head scales (a quarter of float32's
+        memory; :mod:`jattn.paged`), dequantized for attention: the logits change slightly,
+        so greedy tokens may differ from float pages.
       return_stats: also return :class:`ServingStats`.
 
     Returns:
@@ -512,6 +528,8 @@ def generate_many(
                 f"{p.size + m - 1} positions, more than cfg['context_length'] = {context}."
             )
     eos = _check_eos(eos_id, model.cfg.vocab_size)
+    if not isinstance(share_prefixes, bool) or not isinstance(kv_int8, bool):
+        raise TypeError("share_prefixes and kv_int8 must be True or False.")
     temperature, top_k = _check_sampling(temperature, top_k, key)
     requests = [_Request(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_new, strict=True))]
     biggest = max(_need(r, page_size) for r in requests)
@@ -523,7 +541,7 @@ def generate_many(
         )
     server = _Server(
         model, requests, slots, eos, (None if temperature == 0.0 else key, temperature, top_k),
-        page_size, num_pages, prefill_chunk, share_prefixes,
+        page_size, num_pages, prefill_chunk, share_prefixes, kv_int8,
     )  # fmt: skip
     server.run()
     outputs = [np.asarray(r.out, np.int32) for r in requests]
