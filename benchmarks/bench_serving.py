@@ -269,7 +269,7 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
         table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)[:, :width]
         empty = paged.init_paged_cache(
             slots, slots * max_pages, page_size, width, att.kv_heads, att.head_dim
-        )._replace(page_table=table, lengths=lengths)
+        )._replace(page_table=jnp.copy(table), lengths=jnp.copy(lengths))  # its own buffers
         pools = [tuple(jnp.zeros_like(empty.k_pages) for _ in "kv") for _ in model.trf_blocks]
 
         def paged_call(p, table=table, lengths=lengths):

@@ -115,7 +115,8 @@ def test_compilations_do_not_grow_with_the_number_of_requests():
         outs, s2 = models.generate_many(model, many, 10, slots=2, return_stats=True, **OPTS)
     assert s1.programs == s2.programs  # the same step shapes...
     assert len(second) == len(first)  # ...so the same compilations, for four times the requests
-    assert len(first) <= len(s1.programs) + 3  # one per step shape, and a few eager zeros
+    # one per step shape, and the eager zeros of the pools, page table and lengths
+    assert len(first) <= len(s1.programs) + 6
     with compile_events() as third:
         models.generate_many(model, many[::-1], 10, slots=2, **OPTS)
     assert third == []  # a new run of the same shapes compiles nothing

@@ -462,7 +462,7 @@ def generate_many(
     key: Array | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
-    prefill_chunk: int = 64,
+    prefill_chunk: int | None = None,
     share_prefixes: bool = True,
     kv_int8: bool = False,
     return_stats: bool = False,
@@ -488,7 +488,8 @@ def generate_many(
       page_size: positions per page of the paged KV cache.
       num_pages: pages in the pool (per layer); default enough for ``slots`` requests of
         the longest need. Fewer pages hold less memory: requests then wait for pages.
-      prefill_chunk: prompt tokens fed per prefill step (a fixed shape).
+      prefill_chunk: prompt tokens fed per prefill step (a fixed shape); default
+        ``min(64, context_length)``.
       share_prefixes: a request whose prompt begins with full pages a live request wrote
         reuses them instead of recomputing them.
       kv_int8: int8 KV pages with per-token, per-head scales (a quarter of float32's
@@ -515,8 +516,9 @@ def generate_many(
     max_new = _check_max_new(max_new_tokens, len(prompts))
     slots = _positive_int(slots, "slots")
     page_size = _positive_int(page_size, "page_size")
-    prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
     context = model.cfg.context_length
+    prefill_chunk = min(64, context) if prefill_chunk is None else prefill_chunk
+    prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
     if prefill_chunk > context:
         raise ValueError(
             f"prefill_chunk ({prefill_chunk}) must be at most cfg['context_length'] ({context})."
