@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 # Submodules that import flax (or matplotlib) load on first use: `jattn.linen.MultiHeadAttention`
 # works after a plain `import jattn`, and `import jattn` stays light.
 _LAZY_SUBMODULES = (
-    "convert", "generate", "kvcache", "linen", "models", "nnx", "ring", "rope", "toy", "viz",
+    "convert", "generate", "kvcache", "linen", "models", "nnx", "paged", "ring", "rope", "toy",
+    "viz",
 )  # fmt: skip
 
 

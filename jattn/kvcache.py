@@ -62,6 +62,11 @@ length, a long prompt included, equals full windowed attention
 then it writes the chunk's last ``capacity`` real tokens. A rolling cache never
 overflows, and :func:`attend` alone (after :func:`append`) refuses it: the append may
 have overwritten keys the chunk's first queries need.
+
+**Paged caches** (:class:`PagedKVCache`, :func:`init_paged_cache`, from :mod:`jattn.paged`)
+hold a page pool shared by all rows and a page table per row, so memory follows the tokens
+held; :func:`update_and_attend` takes one too (and is then
+:func:`jattn.paged.update_and_attend`), so the modules decode through it unchanged.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ from jattn._util import softmax_dtype
 
 __all__ = [
     "KVCache",
+    "PagedKVCache",  # noqa: F822 (module __getattr__: from jattn.paged)
     "RollingKVCache",
     "append",
     "attend",
@@ -86,9 +92,22 @@ __all__ = [
     "decode_mask",
     "fits",
     "init_cache",
+    "init_paged_cache",  # noqa: F822
     "rolling_mask",
     "update_and_attend",
 ]
+
+# The paged cache lives in jattn.paged (which builds on this module); re-exported here.
+_PAGED_NAMES = ("PagedKVCache", "init_paged_cache")
+
+
+def __getattr__(name: str):
+    if name in _PAGED_NAMES:
+        from jattn import paged
+
+        return getattr(paged, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Array = jax.Array
 
@@ -730,7 +749,8 @@ def update_and_attend(
     """Appends a chunk's keys and values, then attends its queries: one decoding step.
 
     Args:
-      cache: a :class:`KVCache`.
+      cache: a :class:`KVCache`, :class:`RollingKVCache` or :class:`PagedKVCache` (this
+        call is then :func:`jattn.paged.update_and_attend`).
       query: ``[batch..., T, num_heads, head_dim]``.
       key: ``[batch..., T, num_kv_heads, head_dim]``.
       value: ``[batch..., T, num_kv_heads, v_head_dim]``.
@@ -745,6 +765,14 @@ def update_and_attend(
       are the cache's slots before the chunk, then the chunk's (:func:`rolling_mask`), so
       ``mask`` and the weights have ``capacity + T`` keys.
     """
+    from jattn import paged  # here, not at the top: jattn.paged imports this module
+
+    if isinstance(cache, paged.PagedKVCache):
+        return paged.update_and_attend(
+            cache, query, key, value, num_new=num_new, mask=mask, is_causal=is_causal,
+            local_window_size=local_window_size, score_mod=score_mod, mask_mod=mask_mod,
+            causal=causal, window=window, **attention_kwargs,
+        )  # fmt: skip
     cache = _check_cache(cache)
     is_causal, window, mask = _mask_options(is_causal, local_window_size, mask)
     _check_attention_kwargs(attention_kwargs, "update_and_attend")

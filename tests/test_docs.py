@@ -170,6 +170,7 @@ API_PAGES = {
     "jattn.nnx": "nnx",
     "jattn.convert": "convert",
     "jattn.kvcache": "kvcache",
+    "jattn.paged": "paged",
     "jattn.generate": "generate",
     "jattn.ring": "ring",
     "jattn.causality": "causality",

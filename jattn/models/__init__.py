@@ -14,6 +14,9 @@ logits ``[batch..., T, vocab_size]`` from ``model(token_ids)``, and decodes with
 * :func:`generate` ``(model, token_ids, max_new_tokens, temperature, top_k, key)``
   generates with the KV cache in one compiled program; ``window=`` decodes through
   rolling caches (sliding-window attention), so Llama 3 / Qwen3 can run past the context.
+* :func:`generate_many` ``(model, prompts, max_new_tokens, slots=, eos_id=)`` serves many
+  prompts of different lengths by continuous batching over a paged KV cache
+  (:mod:`jattn.models.serving`, :mod:`jattn.paged`).
 """
 
 from jattn.models.base import LanguageModel
@@ -22,6 +25,7 @@ from jattn.models.generation import generate
 from jattn.models.gpt2 import GPTModel
 from jattn.models.llama3 import Llama3Model
 from jattn.models.qwen3 import Qwen3Model
+from jattn.models.serving import ServingStats, generate_many
 from jattn.models.weights import book_keys, detect_arch, from_book, to_book_state_dict
 
 __all__ = [
@@ -32,10 +36,12 @@ __all__ = [
     "Llama3Model",
     "Qwen3Config",
     "Qwen3Model",
+    "ServingStats",
     "book_keys",
     "config_from_book",
     "detect_arch",
     "from_book",
     "generate",
+    "generate_many",
     "to_book_state_dict",
 ]

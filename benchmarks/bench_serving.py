@@ -1,0 +1,453 @@
+"""Serving many requests: continuous batching over a paged KV cache against static batches.
+
+Workload: ``--requests`` requests (64) from a fixed seed, prompts of 16-512 tokens and
+``max_new_tokens`` of 16-256 (uniform), on the book's GPT-2 configuration scaled down to
+fit a shared 2-core CPU (``GPT_CONFIG_124M`` with 4 layers of width 128, 4 heads, a
+vocabulary of 8192; context 1024). About one request in eight stops early on ``eos_id``:
+the eos ids are tokens those requests produce a third of the way into their output
+(found by an untimed first run, which also compiles every program). ``--quick``: 24
+requests through 12 slots, prompts 16-256 and outputs 16-128.
+
+Figures, all from one process:
+
+* **tokens/s, continuous vs static.** ``jattn.models.generate_many(..., slots=)``
+  against padding every request into one static batch: ``jattn.models.generate`` of all
+  prompts right-padded to the longest, ``max(max_new_tokens)`` steps for every row (the
+  cache ``batch x capacity``). Both are credited with the same useful tokens (each
+  request's continuation up to its eos or ``max_new_tokens``); wall-clock seconds,
+  medians of ``--rounds`` timed runs of each, alternating, after a warm-up.
+* **KV memory.** The most pages held at once (``ServingStats.peak_pages``) and the pool
+  allocated, in positions, against ``slots x capacity`` (the contiguous cache of the same
+  slots) and ``requests x capacity`` (the static batch's cache).
+* **decode step at 10% vs 100% filled.** One decoding step of ``slots`` rows through the
+  model on paged caches whose page tables are 10% and 100% of the capacity wide, rows
+  filled to match; and the contiguous ``KVCache`` step, which attends over its whole
+  capacity whatever is filled. Medians of ``--step-repeats`` calls.
+* **vs the book.** ``llms_from_scratch.kv_cache_batched`` (Qwen3, PyTorch) generating
+  for the same prompts (it takes one ``[batch, T]`` tensor: prompts right-padded to the
+  longest, every row ``max(max_new_tokens)`` tokens; ``--book-batch`` rows at a time),
+  against ``generate_many`` on ``jattn.models.Qwen3Model`` with the book model's weights
+  (``from_book``), the same scaled config. Same useful-token credit.
+* **compilations** (``jax.monitoring`` backend-compile events) during the first and the
+  timed ``generate_many`` runs: bounded by the step shapes, not the number of requests.
+
+The machine is shared: the load average is recorded before and after, with the CPU and an
+sgemm rate from the same run; treat the figures as preliminary.
+
+Usage (from the repository root):
+
+    PYTHONPATH=$PWD python benchmarks/bench_serving.py            # 64 requests, writes the table
+    PYTHONPATH=$PWD python benchmarks/bench_serving.py --quick    # 16 shorter requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jattn import kvcache, models, paged
+
+RESULTS = os.path.join(os.path.dirname(__file__), "serving_results.md")
+
+
+def gpt2_cfg(vocab: int) -> dict:
+    """``GPT_CONFIG_124M`` scaled down (widths, depth, vocabulary; the context kept)."""
+    return dict(
+        vocab_size=vocab, context_length=1024, emb_dim=128, n_heads=4, n_layers=4,
+        drop_rate=0.0, qkv_bias=False,
+    )  # fmt: skip
+
+
+def qwen3_cfg(vocab: int) -> dict:
+    """``QWEN_CONFIG_06_B`` scaled down the same way (float32, as the book's CPU runs)."""
+    import torch
+
+    return dict(
+        vocab_size=vocab, context_length=1024, emb_dim=128, n_heads=4, n_layers=4,
+        hidden_dim=384, head_dim=32, qk_norm=True, n_kv_groups=2, rope_base=1_000_000.0,
+        dtype=torch.float32,
+    )  # fmt: skip
+
+
+def workload(n: int, prompt_range, out_range, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(prompt_range[0], prompt_range[1] + 1, size=n)
+    max_new = rng.integers(out_range[0], out_range[1] + 1, size=n).tolist()
+    prompts = [rng.integers(0, vocab, size=int(t)).astype(np.int32) for t in lengths]
+    return prompts, max_new
+
+
+def pick_eos(outputs, every: int = 4) -> list[int]:
+    """For every ``every``-th request, the first token new to its output from a third of
+    the way in (else from its second token): eos ids that end those requests early."""
+    eos = set()
+    for out in outputs[::every]:
+        out = out.tolist()
+        for start in (len(out) // 3, 1):
+            k = next((k for k in range(start, len(out)) if out[k] not in out[:k]), None)
+            if k is not None:
+                eos.add(out[k])
+                break
+    return sorted(eos)
+
+
+@contextlib.contextmanager
+def compile_events():
+    events = []
+
+    def listener(event, *_a, **_k):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def cpu_description() -> str:
+    info = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    flags = info.get("flags", "").split()
+    simd = (
+        "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    )
+    name = info.get("model name", platform.processor())
+    return f"{name}, {simd}, {os.cpu_count()} logical cores"
+
+
+def sgemm_gflops(n: int = 1024, repeats: int = 10) -> float:
+    x = jnp.ones((n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(x, x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dot(x, x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2.0 * n**3 / statistics.median(times) / 1e9
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# ----------------------------------------------------------------------------------------
+# The runs
+# ----------------------------------------------------------------------------------------
+
+
+def continuous(model, prompts, max_new, args, eos=None):
+    with compile_events() as events:
+        t = time.perf_counter()
+        outs, stats = models.generate_many(
+            model, prompts, max_new, slots=args.slots, eos_id=eos or None,
+            page_size=args.page_size, num_pages=args.num_pages, prefill_chunk=args.chunk,
+            return_stats=True,
+        )  # fmt: skip
+        seconds = time.perf_counter() - t
+    return seconds, outs, stats, len(events)
+
+
+def static_batch(model, prompts, max_new):
+    """Every request padded into one batch: generate runs max(max_new) steps for all rows.
+
+    Returns ``run() -> (seconds, tokens [requests, max(max_new)])``, compiled and warmed up.
+    """
+    padded = np.zeros((len(prompts), max(p.size for p in prompts)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : p.size] = p
+    lengths = jnp.asarray([p.size for p in prompts], jnp.int32)
+
+    def run():
+        t = time.perf_counter()
+        out = np.asarray(models.generate(model, padded, max(max_new), prompt_lengths=lengths))
+        return time.perf_counter() - t, out
+
+    run()  # compile (and warm up)
+    return run
+
+
+def _paged_step(graphdef, state, pools, table, lengths, tokens):
+    """``(logits [B, T, V], pools)`` of a chunk through paged caches (int8 ones with scales)."""
+    model = nnx.merge(graphdef, state)
+    for block, (k, v, *scales) in zip(model.trf_blocks, pools, strict=True):
+        block.att.cache = nnx.Cache(paged.PagedKVCache(k, v, table, lengths, *scales))
+    logits = model(tokens, deterministic=True, decode=True)
+    caches = [b.att.cache.get_value() for b in model.trf_blocks]
+    return logits, [tuple(x for x in (*c[:2], *c[4:]) if x is not None) for c in caches]
+
+
+def int8_logit_error(
+    model, page_size: int, rows: int = 4, prompt: int = 128
+) -> tuple[float, float]:
+    """Logits through int8 pages against float32 pages: a prefill chunk, then one step.
+
+    Returns ``(max |error| / std(logits), share of rows whose greedy token agrees)``.
+    """
+    graphdef, state = nnx.split(model)
+    att = model.trf_blocks[0].att
+    pages = paged.pages_needed(prompt + 1, page_size)
+    tokens = jnp.asarray(
+        np.random.default_rng(1).integers(0, model.cfg.vocab_size, (rows, prompt + 1))
+    )
+    table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
+    step = jax.jit(_paged_step, static_argnums=0)
+    logits = {}
+    for quantized in (False, True):
+        c = paged.init_paged_cache(
+            1, rows * pages, page_size, 1, att.kv_heads, att.head_dim, quantized=quantized
+        )
+        pools = [tuple(x for x in (*c[:2], *c[4:]) if x is not None) for _ in model.trf_blocks]
+        lengths = jnp.zeros((rows,), jnp.int32)
+        first, pools = step(graphdef, state, pools, table, lengths, tokens[:, :prompt])
+        last, _ = step(graphdef, state, pools, table, lengths + prompt, tokens[:, prompt:])
+        logits[quantized] = np.concatenate([np.asarray(first), np.asarray(last)], axis=1)
+    exact, approx = logits[False], logits[True]
+    error = float(np.abs(approx - exact).max() / exact.std())
+    agree = float(np.mean(approx[:, -1].argmax(-1) == exact[:, -1].argmax(-1)))
+    return error, agree
+
+
+def _contiguous_step(graphdef, state, caches, tokens):
+    model = nnx.merge(graphdef, state)
+    for block, cache in zip(model.trf_blocks, caches, strict=True):
+        block.att.cache = nnx.Cache(cache)
+    logits = model(tokens, deterministic=True, decode=True)
+    return logits[:, -1].argmax(-1), [b.att.cache.get_value() for b in model.trf_blocks]
+
+
+def _interleaved_medians(steps: dict, repeats: int) -> dict:
+    """Median seconds of each ``state = step(state)`` in ``steps`` ({name: (step, state)}),
+    the candidates called in turn every round so that background load hits them alike."""
+    states = {k: step(state) for k, (step, state) in steps.items()}  # compile, warm up
+    jax.block_until_ready(states)
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, (step, _) in steps.items():
+            t = time.perf_counter()
+            states[k] = step(states[k])
+            jax.block_until_ready(states[k])
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int) -> dict:
+    """Seconds of one decoding step at 10% and 100% filled.
+
+    Three candidates per fill: the whole model on paged caches (a page table 10% or 100%
+    of the capacity wide, rows filled to match), the model on contiguous ``KVCache``s (which
+    attend over the whole capacity whatever is filled), and one attention layer alone
+    (``jattn.paged.update_and_attend``, the model's head layout). The lengths stay put
+    between calls (each call rewrites the same position), so every call costs the same.
+    """
+    graphdef, state = nnx.split(model)
+    att = model.trf_blocks[0].att
+    max_pages = paged.pages_needed(capacity, page_size)
+    tokens = jnp.zeros((slots, 1), jnp.int32)
+    paged_fn = jax.jit(_paged_step, static_argnums=0, donate_argnums=2)
+    contiguous_fn = jax.jit(_contiguous_step, static_argnums=0, donate_argnums=2)
+    layer_fn = jax.jit(paged.update_and_attend, donate_argnums=0)
+    rng = np.random.default_rng(2)
+    q, kv = (
+        jnp.asarray(rng.normal(size=(slots, 1, h, att.head_dim)), jnp.float32)
+        for h in (att.num_heads, att.kv_heads)
+    )
+    steps = {}
+    for fill in (0.1, 1.0):
+        width = max(1, round(fill * max_pages))
+        lengths = jnp.full((slots,), width * page_size - 1, jnp.int32)  # room for one token
+        table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)[:, :width]
+        empty = paged.init_paged_cache(
+            slots, slots * max_pages, page_size, width, att.kv_heads, att.head_dim
+        )._replace(page_table=jnp.copy(table), lengths=jnp.copy(lengths))  # its own buffers
+        pools = [tuple(jnp.zeros_like(empty.k_pages) for _ in "kv") for _ in model.trf_blocks]
+
+        def paged_call(p, table=table, lengths=lengths):
+            return paged_fn(graphdef, state, p, table, lengths, tokens)[1]
+
+        def layer_call(c, lengths=lengths):
+            return layer_fn(c, q, kv, kv)[1]._replace(lengths=jnp.copy(lengths))
+
+        filled = jnp.full((slots,), round(fill * capacity) - 1, jnp.int32)
+        caches = [
+            kvcache.init_cache(slots, capacity, att.kv_heads, att.head_dim)._replace(
+                lengths=jnp.copy(filled)
+            )
+            for _ in model.trf_blocks
+        ]
+
+        def contiguous(c, filled=filled):
+            c = contiguous_fn(graphdef, state, c, tokens)[1]
+            # a copy per layer: one buffer donated twice is an error
+            return [x._replace(lengths=jnp.copy(filled)) for x in c]
+
+        steps[("paged", fill)] = (paged_call, pools)
+        steps[("contiguous", fill)] = (contiguous, caches)
+        steps[("layer", fill)] = (layer_call, empty)
+    return _interleaved_medians(steps, repeats)
+
+
+def book_qwen3(cfg, prompts, max_new, batch: int):
+    """The book's batched KV-cache generation; seconds, and the torch model (for weights)."""
+    import torch
+    from llms_from_scratch.kv_cache_batched.generate import generate_text_simple
+    from llms_from_scratch.kv_cache_batched.qwen3 import Qwen3Model
+
+    torch.manual_seed(123)
+    model = Qwen3Model(cfg).eval()
+    padded = np.zeros((len(prompts), max(p.size for p in prompts)), np.int64)
+    for i, p in enumerate(prompts):
+        padded[i, : p.size] = p
+    idx = torch.from_numpy(padded)
+    generate_text_simple(model, idx[:2, :16], 2)  # warm-up
+    t = time.perf_counter()
+    for lo in range(0, len(prompts), batch):
+        generate_text_simple(model, idx[lo : lo + batch], max(max_new))
+    return time.perf_counter() - t, model
+
+
+# ----------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--quick", action="store_true", help="16 requests, prompts 16-256, outputs 16-128"
+    )
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens)")
+    p.add_argument(
+        "--pool", type=float, default=0.5, help="pool size, fraction of slots x capacity"
+    )
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--book-batch", type=int, default=64)
+    p.add_argument("--step-repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="timed continuous/static rounds")
+    p.add_argument("--no-book", action="store_true")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    prompt_range, out_range = ((16, 256), (16, 128)) if args.quick else ((16, 512), (16, 256))
+    if args.quick:
+        args.requests, args.slots = 24, 12
+    load_before, started = load(), datetime.now(UTC)
+    gflops = sgemm_gflops()
+    prompts, max_new = workload(args.requests, prompt_range, out_range, args.vocab)
+    capacity = max(p.size + m - 1 for p, m in zip(prompts, max_new, strict=True))
+    max_pages = paged.pages_needed(capacity, args.page_size)
+    args.num_pages = max(max_pages, round(args.pool * args.slots * max_pages))
+
+    gpt = models.GPTModel(gpt2_cfg(args.vocab), rngs=nnx.Rngs(0))
+    _, first, _, compiles_first = continuous(gpt, prompts, max_new, args)
+    eos = pick_eos(first)
+    static_run = static_batch(gpt, prompts, max_new)
+    # continuous and static in turn, --rounds times: background load hits both alike
+    timed_c, timed_s, compiles_timed = [], [], 0
+    for _ in range(args.rounds):
+        seconds, outs, stats, compiles = continuous(gpt, prompts, max_new, args, eos)
+        timed_c.append(seconds)
+        compiles_timed += compiles
+        seconds, static = static_run()
+        timed_s.append(seconds)
+    seconds_c, seconds_s = statistics.median(timed_c), statistics.median(timed_s)
+    useful = sum(len(o) for o in outs)
+    stopped = sum(len(o) < m for o, m in zip(outs, max_new, strict=True))
+    agree = np.mean([o.tolist() == static[i, : len(o)].tolist() for i, o in enumerate(outs)])
+    steps = decode_steps(gpt, args.slots, capacity, args.page_size, args.step_repeats)
+    int8_error, int8_agree = int8_logit_error(gpt, args.page_size)
+
+    rows = [
+        ("tokens/s, continuous batching (`generate_many`, "
+         f"{args.slots} slots)", f"{useful / seconds_c:.0f}", ""),
+        (f"tokens/s, one static batch of {args.requests} (`generate`)", f"{useful / seconds_s:.0f}", ""),
+        ("continuous / static (medians of "
+         f"{args.rounds} alternating rounds; range {min(timed_s) / max(timed_c):.2f}-"
+         f"{max(timed_s) / min(timed_c):.2f}x)", f"**{seconds_s / seconds_c:.2f}x**", ">= 1.5x"),
+    ]  # fmt: skip
+    held, pool = stats.peak_pages * args.page_size, args.num_pages * args.page_size
+    rows += [
+        (f"KV positions held at peak / `slots x capacity` ({args.slots} x {capacity})",
+         f"**{held / (args.slots * capacity):.2f}x**", "<= 0.5x"),
+        ("KV positions allocated (the pool) / `slots x capacity`",
+         f"{pool / (args.slots * capacity):.2f}x", ""),
+        (f"KV positions held at peak / static `batch x capacity` ({args.requests} x {capacity})",
+         f"{held / (args.requests * capacity):.2f}x", ""),
+        ("decode step (whole model), paged, 10% / 100% filled",
+         f"**{steps[('paged', 0.1)] / steps[('paged', 1.0)]:.2f}x** "
+         f"({steps[('paged', 0.1)] * 1e3:.1f} / {steps[('paged', 1.0)] * 1e3:.1f} ms)", "<= 0.3x"),
+        ("one attention layer's step (`paged.update_and_attend`), 10% / 100% filled",
+         f"{steps[('layer', 0.1)] / steps[('layer', 1.0)]:.2f}x "
+         f"({steps[('layer', 0.1)] * 1e3:.2f} / {steps[('layer', 1.0)] * 1e3:.2f} ms)", ""),
+        ("decode step, contiguous `KVCache`, 10% / 100% filled",
+         f"{steps[('contiguous', 0.1)] / steps[('contiguous', 1.0)]:.2f}x "
+         f"({steps[('contiguous', 0.1)] * 1e3:.1f} / {steps[('contiguous', 1.0)] * 1e3:.1f} ms)", ""),
+    ]  # fmt: skip
+    rows.append(
+        ("int8 KV pages: max logit error / logit std (prefill 128 + 1 step; greedy agreement)",
+         f"{int8_error:.3f} ({int8_agree:.0%})", "reported"),
+    )  # fmt: skip
+    if not args.no_book:
+        cfg = qwen3_cfg(args.vocab)
+        seconds_b, torch_model = book_qwen3(cfg, prompts, max_new, args.book_batch)
+        qwen = models.from_book("qwen3", cfg, torch_model.state_dict())
+        continuous(qwen, prompts, max_new, args)  # compile
+        seconds_q, outs_q, _, _ = continuous(qwen, prompts, max_new, args)
+        useful_q = sum(len(o) for o in outs_q)
+        rows += [
+            ("tokens/s, book `kv_cache_batched` Qwen3 (PyTorch)", f"{useful_q / seconds_b:.0f}", ""),
+            ("tokens/s, `generate_many` on `Qwen3Model` (same weights)", f"{useful_q / seconds_q:.0f}", ""),
+            ("`generate_many` / book", f"**{seconds_b / seconds_q:.2f}x**", ">= 1.5x"),
+        ]  # fmt: skip
+    rows += [
+        ("compilations, first run / all timed runs (same shapes)",
+         f"{compiles_first} / {compiles_timed}",
+         "constant in requests"),
+        ("step shapes compiled (rows, tokens, pages)", f"{len(stats.programs)}", ""),
+    ]  # fmt: skip
+    command = "PYTHONPATH=$PWD python benchmarks/bench_serving.py " + " ".join(sys.argv[1:])
+    lines = [
+        f"Command: `{command.strip()}`, {started:%Y-%m-%d %H:%M} UTC. CPU: {cpu_description()}; "
+        f"XLA sgemm {gflops:.0f} GFLOP/s (1024^3, this run); jax {jax.__version__}. Load "
+        f"average (1/5/15 min) {load_before} before, {load()} after: **preliminary**, the "
+        "machine was shared.",
+        "",
+        f"Workload: {args.requests} requests, prompts {prompt_range[0]}-{prompt_range[1]} "
+        f"tokens, max_new_tokens {out_range[0]}-{out_range[1]} (seed 0); {stopped} stopped "
+        f"early on eos_id {eos}; {useful} useful tokens. GPT-2 scaled: 4 layers x 128, 4 "
+        f"heads, vocabulary {args.vocab}, context 1024; page size {args.page_size}, prefill "
+        f"chunk {args.chunk}, pool {args.num_pages} pages ({args.pool:.0%} of slots x "
+        f"capacity). Static-batch rows equal to the continuous ones: {agree:.0%}.",
+        "",
+        "| figure | measured | goal |",
+        "|---|---|---|",
+        *(f"| {a} | {b} | {c} |" for a, b, c in rows),
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        with open(RESULTS, "w") as f:
+            f.write("# Serving: continuous batching and the paged KV cache\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()

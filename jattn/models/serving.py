@@ -1,0 +1,550 @@
+"""Continuous batching: many prompts through a fixed number of slots and a paged KV cache.
+
+:func:`generate_many` serves a list of requests (prompts of different lengths, each with
+its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in small):
+
+* a fixed number of **slots** decode together, one token per slot per step;
+* a request that ends (``max_new_tokens`` reached, or its next token is an ``eos_id``)
+  frees its slot and its pages at once, and the first waiting request takes the slot;
+* a new request's prompt is **prefilled in chunks** of ``prefill_chunk`` tokens, one chunk
+  between two decoding steps of the others, so the running requests keep decoding;
+* the keys and values live in a :class:`jattn.paged.PagedKVCache` per layer: pages are
+  taken from a free list as a request's tokens arrive and given back when it ends, so the
+  memory held follows the tokens held; with ``share_prefixes`` a request whose prompt
+  starts with full pages another live request already wrote reuses those pages (reference
+  counts) and prefills only the rest.
+
+**Fixed shapes.** Two programs run: a decoding step on ``[slots, 1]`` tokens and a prefill
+chunk on ``[1, prefill_chunk]``; each step attends over a page-table width taken from a
+few buckets (powers of two of pages, up to the longest request), the smallest that holds
+the longest active row. So the number of compilations is bounded by twice the number of
+buckets, whatever the number of requests, and a step's cost follows the tokens held, not
+the capacity.
+
+Admission reserves, for every running request, the pages it may still need, so the pool
+never runs dry mid-request (no preemption is needed); pages themselves are only taken when
+tokens arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jattn import generate as jgen
+from jattn import paged
+from jattn.models.base import LanguageModel
+
+__all__ = ["ServingStats", "generate_many"]
+
+Array = jax.Array
+
+
+class ServingStats(NamedTuple):
+    """What a :func:`generate_many` run did (from ``return_stats=True``).
+
+    Attributes:
+      decode_steps: decoding steps run (each one token for every decoding slot).
+      prefill_chunks: prefill chunks run.
+      peak_pages: the most pages held at once.
+      mean_pages: pages held, averaged over the steps.
+      num_pages: pages in the pool.
+      page_size: positions per page.
+      shared_pages: page references taken from another request's prompt (prefix sharing).
+      programs: the step shapes run, ``(rows, tokens, width)`` each: ``(slots, 1, w)`` a
+        decoding step, ``(1, prefill_chunk, w)`` a prefill chunk, over ``w`` pages; one
+        compilation each.
+    """
+
+    decode_steps: int
+    prefill_chunks: int
+    peak_pages: int
+    mean_pages: float
+    num_pages: int
+    page_size: int
+    shared_pages: int
+    programs: tuple[tuple[int, int, int], ...]
+
+
+# ----------------------------------------------------------------------------------------
+# Checks (once, at the entry)
+# ----------------------------------------------------------------------------------------
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    return int(value)
+
+
+def _check_prompts(model: LanguageModel, prompts) -> list[np.ndarray]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise TypeError(
+            "prompts must be a non-empty list of token id sequences (one per request), got "
+            f"{type(prompts).__name__}."
+        )
+    vocab, out = model.cfg.vocab_size, []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.size < 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(
+                f"prompts[{i}] must be a non-empty 1-D sequence of int token ids, got "
+                f"{a.dtype} {a.shape}."
+            )
+        if a.min() < 0 or a.max() >= vocab:
+            raise ValueError(
+                f"prompts[{i}] holds ids from {a.min()} to {a.max()}; they must be in [0, {vocab}) "
+                "(cfg['vocab_size'])."
+            )
+        out.append(a.astype(np.int32))
+    return out
+
+
+def _check_max_new(max_new_tokens, n: int) -> list[int]:
+    if isinstance(max_new_tokens, Sequence):
+        if len(max_new_tokens) != n:
+            raise ValueError(
+                f"max_new_tokens must be one int or one per prompt ({n}), got "
+                f"{len(max_new_tokens)} values."
+            )
+        return [_positive_int(m, f"max_new_tokens[{i}]") for i, m in enumerate(max_new_tokens)]
+    return [_positive_int(max_new_tokens, "max_new_tokens")] * n
+
+
+def _check_eos(eos_id, vocab: int) -> frozenset[int]:
+    if eos_id is None:
+        return frozenset()
+    ids = [eos_id] if isinstance(eos_id, numbers.Integral) else eos_id
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise TypeError(
+            f"eos_id must be None, an int or a sequence of ints, got {eos_id!r}."
+        ) from None
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab:
+            raise ValueError(f"eos_id values must be token ids in [0, {vocab}), got {eos_id!r}.")
+    return frozenset(int(i) for i in ids)
+
+
+def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a float >= 0, got {temperature!r}.")
+    if not 0.0 <= float(temperature) < float("inf"):
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}.")
+    if top_k is not None:
+        top_k = _positive_int(top_k, "top_k")
+    if temperature > 0 and key is None:
+        raise ValueError(
+            f"sampling with temperature={temperature} needs a random key: pass "
+            "key=jax.random.key(seed), or temperature=0.0 for greedy decoding."
+        )
+    return float(temperature), top_k
+
+
+def _widths(max_pages: int) -> tuple[int, ...]:
+    """The page-table widths a step may use: powers of two below ``max_pages``, and it."""
+    out, w = [], 1
+    while w < max_pages:
+        out.append(w)
+        w *= 2
+    return (*out, max_pages)
+
+
+# ----------------------------------------------------------------------------------------
+# The compiled step
+# ----------------------------------------------------------------------------------------
+
+
+@partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k"), donate_argnames="pools")
+def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, temperature, top_k):
+    """Runs a chunk through the model on paged caches and picks each row's next token.
+
+    Args:
+      graphdef, state: the model without caches (``nnx.split``).
+      pools: per layer ``(k_pages, v_pages)``, and ``(k_scales, v_scales)`` with int8
+        pages (donated: written in place).
+      table: int32 ``[B, W]``: the rows' page tables, ``W`` pages wide.
+      lengths: int32 ``[B]``: tokens each row holds before the chunk.
+      tokens: int32 ``[B, T]``; ``num_new`` int32 ``[B]`` of them are real per row.
+      key: the run's ``jax.random`` key, or None (greedy).
+      ids: int32 ``[B, 2]``: each row's request index and the index of the token it picks,
+        folded into ``key`` (so a request's tokens do not depend on its slot or step).
+
+    Returns:
+      ``(next_tokens int32 [B], pools)``.
+    """
+    model = nnx.merge(graphdef, state)
+    for block, (k_pages, v_pages, *scales) in zip(model.trf_blocks, pools, strict=True):
+        block.att.cache = nnx.Cache(paged.PagedKVCache(k_pages, v_pages, table, lengths, *scales))
+    # [B, T, V] -> [B, V]: the logits after each row's last real token
+    logits = model(tokens, deterministic=True, decode=True, num_new=num_new)
+    last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(num_new - 1, 0)]
+    if key is None:
+        picked = jgen.sample_next(last)
+    else:
+
+        def one(row_logits, request_and_index):
+            k = jax.random.fold_in(
+                jax.random.fold_in(key, request_and_index[0]), request_and_index[1]
+            )
+            return jgen.sample_next(row_logits, k, temperature=temperature, top_k=top_k)
+
+        picked = jax.vmap(one)(last, ids)
+    return picked, [_pool(block.att.cache.get_value()) for block in model.trf_blocks]
+
+
+def _pool(cache: paged.PagedKVCache) -> tuple[Array, ...]:
+    """A layer's pool arrays: ``(k_pages, v_pages)``, and the scales of int8 pages."""
+    if cache.k_scales is None:
+        return cache.k_pages, cache.v_pages
+    return cache.k_pages, cache.v_pages, cache.k_scales, cache.v_scales
+
+
+# ----------------------------------------------------------------------------------------
+# The host side: slots, pages, requests
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Pages:
+    """The page pool's bookkeeping: a free list, reference counts, shareable prompt pages."""
+
+    num_pages: int
+    size: int
+    free: list[int] = dataclasses.field(default_factory=list)
+    refs: np.ndarray = None  # int [num_pages]
+    prefix: dict = dataclasses.field(default_factory=dict)  # prompt prefix -> page
+    prefix_of: dict = dataclasses.field(default_factory=dict)  # page -> prompt prefix
+
+    def __post_init__(self):
+        self.free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.refs = np.zeros(self.num_pages, np.int64)
+
+    def take(self) -> int:
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def share(self, page: int) -> None:
+        self.refs[page] += 1
+
+    def release(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+            self.prefix.pop(self.prefix_of.pop(page, None), None)
+
+    def held(self) -> int:
+        return self.num_pages - len(self.free)
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: np.ndarray
+    max_new: int
+    out: list[int] = dataclasses.field(default_factory=list)
+    fed: int = 0  # prompt tokens already in the cache
+    started: bool = False  # its prefill has begun (shared prefix pages looked up)
+    pages: int = 0  # pages in its table (owned or shared)
+
+
+def _need(req: _Request, size: int) -> int:
+    """Pages a request holds when it ends (prompt + new tokens - 1 positions)."""
+    return paged.pages_needed(req.prompt.size + req.max_new - 1, size)
+
+
+class _Server:
+    """Runs the requests through the slots; see :func:`generate_many`."""
+
+    def __init__(
+        self, model, requests, slots, eos, sampling, page_size, num_pages, chunk, share, int8
+    ):
+        decoder = nnx.merge(*nnx.split(model))  # a copy: the caller's model keeps its caches
+        for block in decoder.trf_blocks:
+            if hasattr(block.att, "cache"):
+                del block.att.cache
+        self.graphdef, self.state = nnx.split(decoder)
+        self.requests, self.waiting = requests, list(requests)
+        self.slots: list[_Request | None] = [None] * slots
+        self.eos, self.sampling, self.chunk, self.share = eos, sampling, chunk, share
+        self.pages = _Pages(num_pages, page_size)
+        self.max_pages = max(_need(r, page_size) for r in requests)
+        self.widths = _widths(self.max_pages)
+        self.table = np.full((slots, self.max_pages), num_pages, np.int32)
+        self.lengths = np.zeros(slots, np.int32)
+        self.last = np.zeros(slots, np.int32)
+        self.pools = [
+            _pool(
+                paged.init_paged_cache(
+                    1, num_pages, page_size, 1, block.att.kv_heads, block.att.head_dim,
+                    dtype=model.dtype, quantized=int8,
+                )
+            )
+            for block in decoder.trf_blocks
+        ]  # fmt: skip
+        self.decode_steps = self.prefill_chunks = self.shared = 0
+        self.held: list[int] = []
+        self.programs: set[tuple[int, int, int]] = set()
+
+    # -- pages ---------------------------------------------------------------------------
+
+    def _reserved(self) -> int:
+        """Pages the running requests may still take."""
+        size = self.pages.size
+        return sum(_need(r, size) - r.pages for r in self.slots if r is not None)
+
+    def _grow(self, slot: int, upto: int) -> None:
+        """Gives the slot's request pages for positions ``< upto``."""
+        req = self.slots[slot]
+        while req.pages * self.pages.size < upto:
+            self.table[slot, req.pages] = self.pages.take()
+            req.pages += 1
+
+    def _share_prefix(self, slot: int, req: _Request) -> None:
+        """Points the slot at live pages holding the same prompt prefix (full pages only,
+        keeping at least one prompt token to prefill: its logits give the first token)."""
+        size = self.pages.size
+        for i in range((req.prompt.size - 1) // size):
+            page = self.pages.prefix.get(req.prompt[: (i + 1) * size].tobytes())
+            if page is None:
+                break
+            self.pages.share(page)
+            self.table[slot, i] = page
+            req.pages += 1
+            self.shared += 1
+        req.fed = req.pages * size
+        self.lengths[slot] = req.fed
+
+    def _register_prefix(self, slot: int, req: _Request) -> None:
+        """Makes the slot's fully written prompt pages findable by later requests."""
+        size = self.pages.size
+        for i in range(req.fed // size):
+            key = req.prompt[: (i + 1) * size].tobytes()
+            page = int(self.table[slot, i])
+            if key not in self.pages.prefix and page not in self.pages.prefix_of:
+                self.pages.prefix[key], self.pages.prefix_of[page] = page, key
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self.slots):
+            if occupant is not None or not self.waiting:
+                continue
+            req = self.waiting[0]
+            if len(self.pages.free) - self._reserved() < _need(req, self.pages.size):
+                return  # the pool is committed; wait for a request to end
+            self.waiting.pop(0)
+            self.slots[slot] = req
+
+    def _finish(self, slot: int) -> None:
+        req = self.slots[slot]
+        for i in range(req.pages):
+            self.pages.release(int(self.table[slot, i]))
+        self.table[slot] = self.pages.num_pages
+        self.lengths[slot] = 0
+        self.slots[slot] = None
+
+    def _emit(self, slot: int, token: int) -> None:
+        """A request's next token: ends it (eos, not kept; or the last one) or feeds it back."""
+        req = self.slots[slot]
+        if token in self.eos:
+            return self._finish(slot)
+        req.out.append(token)
+        if len(req.out) == req.max_new:
+            return self._finish(slot)
+        self.last[slot] = token
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _run(self, rows, tokens, num_new, picks):
+        # the longest row this chunk writes to (rows with num_new 0 read nothing they use)
+        longest = int((self.lengths[rows] + num_new)[num_new > 0].max())
+        width = next(w for w in self.widths if w * self.pages.size >= longest)
+        self.programs.add((*tokens.shape, width))
+        key, temperature, top_k = self.sampling
+        ids = np.array([[r.index, len(r.out)] for r in picks], np.int32)
+        # numpy arguments go straight to the program (jnp.asarray would compile a copy per shape)
+        picked, self.pools = _step(
+            self.graphdef, self.state, self.pools, self.table[rows, :width], self.lengths[rows],
+            tokens, num_new, key, ids, temperature=temperature, top_k=top_k,
+        )  # fmt: skip
+        self.lengths[rows] += num_new
+        self.held.append(self.pages.held())
+        return np.asarray(picked)
+
+    def _prefill(self) -> bool:
+        """One prompt chunk of the first slot still prefilling; False when none is."""
+        slot = next(
+            (s for s, r in enumerate(self.slots) if r is not None and r.fed < r.prompt.size), None
+        )
+        if slot is None:
+            return False
+        req = self.slots[slot]
+        if not req.started:
+            # looked up now, not at admission: an earlier request's prefill has run by now
+            req.started = True
+            if self.share:
+                self._share_prefix(slot, req)
+        n = min(self.chunk, req.prompt.size - req.fed)
+        self._grow(slot, req.fed + n)
+        tokens = np.zeros((1, self.chunk), np.int32)
+        tokens[0, :n] = req.prompt[req.fed : req.fed + n]
+        rows = np.array([slot])
+        picked = self._run(rows, tokens, np.array([n], np.int32), [req])
+        req.fed += n
+        self.prefill_chunks += 1
+        if self.share:
+            self._register_prefix(slot, req)
+        if req.fed == req.prompt.size:
+            self._emit(slot, int(picked[0]))
+        return True
+
+    def _decode(self) -> None:
+        live = [s for s, r in enumerate(self.slots) if r is not None and r.fed == r.prompt.size]
+        if not live:
+            return
+        num_new = np.zeros(len(self.slots), np.int32)
+        num_new[live] = 1
+        for s in live:
+            self._grow(s, int(self.lengths[s]) + 1)
+        picks = [r if r is not None else self.requests[0] for r in self.slots]
+        picked = self._run(np.arange(len(self.slots)), self.last[:, None].copy(), num_new, picks)
+        self.decode_steps += 1
+        for s in live:
+            self._emit(s, int(picked[s]))
+
+    def run(self) -> None:
+        while self.waiting or any(r is not None for r in self.slots):
+            self._admit()
+            if all(r is None for r in self.slots):
+                # with every slot free the whole pool is; the entry checked it holds a request
+                raise RuntimeError("generate_many: a waiting request found no pages.")
+            self._prefill()
+            self._decode()
+
+    def stats(self) -> ServingStats:
+        return ServingStats(
+            decode_steps=self.decode_steps,
+            prefill_chunks=self.prefill_chunks,
+            peak_pages=max(self.held, default=0),
+            mean_pages=float(np.mean(self.held)) if self.held else 0.0,
+            num_pages=self.pages.num_pages,
+            page_size=self.pages.size,
+            shared_pages=self.shared,
+            programs=tuple(sorted(self.programs)),
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# The entry
+# ----------------------------------------------------------------------------------------
+
+
+def generate_many(
+    model: LanguageModel,
+    prompts,
+    max_new_tokens,
+    *,
+    slots: int,
+    eos_id=None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    key: Array | None = None,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    prefill_chunk: int | None = None,
+    share_prefixes: bool = True,
+    kv_int8: bool = False,
+    return_stats: bool = False,
+) -> list[np.ndarray] | tuple[list[np.ndarray], ServingStats]:
+    """Generates a continuation for each prompt, ``slots`` requests at a time.
+
+    Args:
+      model: a :class:`GPTModel`, :class:`Llama3Model` or :class:`Qwen3Model` (not
+        modified; dropout is off).
+      prompts: a list of token id sequences of any lengths (1-D, ids in
+        ``[0, vocab_size)``), one per request.
+      max_new_tokens: an int, or one per prompt: the most tokens a request generates;
+        ``len(prompt) + max_new_tokens - 1`` must fit ``context_length``.
+      slots: requests decoded together (the batch of the decoding step).
+      eos_id: None, a token id or a sequence of ids: a request ends when its next token
+        is one of them, which is not kept (the book's ``generate(..., eos_id=)``).
+      temperature: 0 (default): greedy, each continuation equal to
+        :func:`jattn.models.generate` of its prompt alone; otherwise the book's sampling.
+      top_k: sample among the ``top_k`` largest logits (None: all).
+      key: ``jax.random`` key, required when ``temperature > 0``; token ``j`` of request
+        ``i`` uses ``fold_in(fold_in(key, i), j)``, so the result does not depend on
+        ``slots`` or the order requests were scheduled in.
+      page_size: positions per page of the paged KV cache.
+      num_pages: pages in the pool (per layer); default enough for ``slots`` requests of
+        the longest need. Fewer pages hold less memory: requests then wait for pages.
+      prefill_chunk: prompt tokens fed per prefill step (a fixed shape); default
+        ``min(64, context_length)``.
+      share_prefixes: a request whose prompt begins with full pages a live request wrote
+        reuses them instead of recomputing them.
+      kv_int8: int8 KV pages with per-token, per-head scales (a quarter of float32's
+        memory; :mod:`jattn.paged`), dequantized for attention: the logits change slightly,
+        so greedy tokens may differ from float pages.
+      return_stats: also return :class:`ServingStats`.
+
+    Returns:
+      A list (in the order of ``prompts``) of int32 numpy arrays: each continuation
+      (without the prompt, without the eos token); with ``return_stats``, ``(that,
+      stats)``.
+
+    Raises:
+      TypeError, ValueError: a model that is not a jattn model, bad prompts (naming the
+        request), a request longer than the context, bad sizes or sampling arguments, a
+        pool smaller than one request's need.
+    """
+    if not isinstance(model, LanguageModel):
+        raise TypeError(
+            f"model must be a jattn.models model (GPTModel, Llama3Model, Qwen3Model), got "
+            f"{type(model).__name__}."
+        )
+    prompts = _check_prompts(model, prompts)
+    max_new = _check_max_new(max_new_tokens, len(prompts))
+    slots = _positive_int(slots, "slots")
+    page_size = _positive_int(page_size, "page_size")
+    context = model.cfg.context_length
+    prefill_chunk = min(64, context) if prefill_chunk is None else prefill_chunk
+    prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
+    if prefill_chunk > context:
+        raise ValueError(
+            f"prefill_chunk ({prefill_chunk}) must be at most cfg['context_length'] ({context})."
+        )
+    for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)):
+        if p.size + m - 1 > context:
+            raise ValueError(
+                f"request {i}: a prompt of {p.size} tokens and max_new_tokens={m} need "
+                f"{p.size + m - 1} positions, more than cfg['context_length'] = {context}."
+            )
+    eos = _check_eos(eos_id, model.cfg.vocab_size)
+    if not isinstance(share_prefixes, bool) or not isinstance(kv_int8, bool):
+        raise TypeError("share_prefixes and kv_int8 must be True or False.")
+    temperature, top_k = _check_sampling(temperature, top_k, key)
+    requests = [_Request(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_new, strict=True))]
+    biggest = max(_need(r, page_size) for r in requests)
+    num_pages = slots * biggest if num_pages is None else _positive_int(num_pages, "num_pages")
+    if num_pages < biggest:
+        raise ValueError(
+            f"num_pages ({num_pages}) is less than the {biggest} pages of {page_size} positions "
+            "the longest request needs; pass a larger num_pages or page_size."
+        )
+    server = _Server(
+        model, requests, slots, eos, (None if temperature == 0.0 else key, temperature, top_k),
+        page_size, num_pages, prefill_chunk, share_prefixes, kv_int8,
+    )  # fmt: skip
+    server.run()
+    outputs = [np.asarray(r.out, np.int32) for r in requests]
+    return (outputs, server.stats()) if return_stats else outputs

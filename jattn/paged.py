@@ -1,0 +1,378 @@
+"""A paged KV cache: one page pool per layer, a page table and a length per sequence.
+
+The contiguous :class:`jattn.kvcache.KVCache` holds ``batch x capacity`` positions whatever
+each row uses. A :class:`PagedKVCache` holds a pool of fixed-size pages instead, shared by
+every sequence, and a *page table* per sequence saying which pages hold its tokens (the
+vLLM / FlashAttention ``page_table`` convention): position ``p`` of row ``b`` lives in page
+``page_table[b, p // page_size]`` at offset ``p % page_size``. Pages are handed out as
+tokens arrive and taken back when a sequence ends, so the memory in use follows the tokens
+held; two sequences with one prompt can point at the same pages (prefix sharing).
+
+* :class:`PagedKVCache` ``(k_pages, v_pages, page_table, lengths)``, a NamedTuple (a
+  pytree, as :class:`jattn.kvcache.KVCache`).
+* :func:`init_paged_cache` makes an empty one; :func:`append` writes a chunk at each row's
+  end; :func:`gather` reads the pages back as a contiguous :class:`jattn.kvcache.KVCache`;
+  :func:`update_and_attend` appends and attends, and is what the attention modules call
+  when their cache is a paged one (:func:`jattn.kvcache.update_and_attend` dispatches here).
+
+**Who owns the pages.** The arrays are pure data: which page a row gets is decided by the
+caller (the host), which writes page ids into ``page_table`` before a step. An entry
+outside ``[0, num_pages)`` (the default, ``num_pages``) is *unallocated*: a token that
+would land there is not written, and reading it gives zeros. Rows that share a page must
+not write to it (share only full pages). :func:`jattn.models.generate_many` is the
+allocator: a free list, reference counts for shared prefixes, a slot per request.
+
+**Cost follows the tokens held.** A step attends over the ``page_table``'s width in pages,
+not over the pool: the caller passes ``page_table[:, :n]`` with ``n`` pages enough for the
+longest row (a few widths, e.g. powers of two, so that a jitted step compiles a bounded
+number of times), and the step gathers and attends ``n * page_size`` keys per row.
+
+**Attention** over the gathered pages is :func:`jattn.kvcache.attend` on a contiguous
+cache whose slot ``j`` holds position ``j``: the same mask (causal per row, written keys
+only, padding queries attend nothing), ``local_window_size``, ``score_mod``/``mask_mod`` at
+absolute positions, ``sinks`` and the other :func:`jattn.dot_product_attention` keywords,
+so a paged step equals a contiguous one. There is no rolling (modulo-capacity) mode: a
+paged cache frees memory by pages instead, and a sliding window is ``local_window_size``.
+
+**int8 pages** (``init_paged_cache(..., quantized=True)``): keys and values are stored
+as int8 with one float32 scale per token and head (``max |x| / 127`` over ``head_dim``,
+rounded to nearest), a quarter of float32's memory; reading dequantizes them to float32.
+The attention error this adds is measured in ``tests/test_paged.py`` and
+``benchmarks/bench_serving.py`` (the logits against float32 pages).
+
+**Capacity.** A row holds ``page_table.shape[-1] * page_size`` positions. As with
+:class:`jattn.kvcache.KVCache`, an eager call whose chunk does not fit raises a ValueError;
+under ``jax.jit`` tokens past the table (or on unallocated pages) are not written,
+``lengths`` stops at the table's capacity, and their queries attend nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks, kvcache
+
+__all__ = [
+    "PagedKVCache",
+    "append",
+    "capacity",
+    "gather",
+    "init_paged_cache",
+    "page_size",
+    "pages_needed",
+    "update_and_attend",
+]
+
+Array = jax.Array
+
+
+class PagedKVCache(NamedTuple):
+    """A page pool and, per sequence, its page table and filled length.
+
+    Attributes:
+      k_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``: the key pool.
+      v_pages: ``[num_pages, page_size, num_kv_heads, v_head_dim]``: the value pool.
+      page_table: int32 ``[batch..., pages_per_seq]``: ``page_table[b, i]`` is the page
+        holding positions ``i * page_size ... (i + 1) * page_size - 1`` of row ``b``; a
+        value outside ``[0, num_pages)`` marks a page not allocated.
+      lengths: int32 ``[batch...]``: positions filled in each row.
+      k_scales: int8 pages only: float32 ``[num_pages, page_size, num_kv_heads]``, the
+        scale of each stored key (``key = k_pages * k_scales``); None for float pages.
+      v_scales: the same for the values.
+    """
+
+    k_pages: Array
+    v_pages: Array
+    page_table: Array
+    lengths: Array
+    k_scales: Array | None = None
+    v_scales: Array | None = None
+
+
+def page_size(cache: PagedKVCache) -> int:
+    """Positions per page (a static int)."""
+    return cache.k_pages.shape[1]
+
+
+def capacity(cache: PagedKVCache) -> int:
+    """Positions a row can hold through its page table: ``pages_per_seq * page_size``."""
+    return cache.page_table.shape[-1] * page_size(cache)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` positions: ``ceil(num_tokens / page_size)``."""
+    return -(-num_tokens // page_size)
+
+
+def init_paged_cache(
+    batch_shape: int | tuple[int, ...],
+    num_pages: int,
+    page_size: int,
+    pages_per_seq: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    v_head_dim: int | None = None,
+    dtype: Any = jnp.float32,
+    quantized: bool = False,
+) -> PagedKVCache:
+    """An empty paged cache: zero pools, every page table entry unallocated, zero lengths.
+
+    Args:
+      batch_shape: the batch dims (sequences decoded together; an int for one axis).
+      num_pages: pages in the pool (shared by all rows).
+      page_size: positions per page.
+      pages_per_seq: width of each row's page table (a row holds up to
+        ``pages_per_seq * page_size`` positions).
+      num_kv_heads: key/value heads.
+      head_dim: width of each key head.
+      v_head_dim: width of each value head; default ``head_dim``.
+      dtype: dtype of the pools (appended chunks are cast to it); ignored with
+        ``quantized``.
+      quantized: int8 pools with a float32 scale per token and head (see the module
+        docstring); they read back as float32.
+
+    Returns:
+      ``PagedKVCache(k_pages [num_pages, page_size, num_kv_heads, head_dim], v_pages,
+      page_table int32 [*batch_shape, pages_per_seq] filled with num_pages, lengths int32
+      [*batch_shape])``.
+    """
+    try:
+        batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+    except TypeError:
+        raise TypeError(
+            f"batch_shape must be an int or a tuple of ints (the batch dims), got {batch_shape!r}."
+        ) from None
+    for i, d in enumerate(batch_shape):
+        _checks.size(d, f"batch_shape[{i}]")
+    num_pages = _checks.size(num_pages, "num_pages")
+    size = _checks.size(page_size, "page_size")
+    pages_per_seq = _checks.size(pages_per_seq, "pages_per_seq")
+    num_kv_heads = _checks.size(num_kv_heads, "num_kv_heads")
+    head_dim = _checks.size(head_dim, "head_dim")
+    v_head_dim = head_dim if v_head_dim is None else _checks.size(v_head_dim, "v_head_dim")
+    dtype = _checks.float_dtype(dtype, "dtype")
+    _checks.flag(quantized, "quantized")
+    dtype = jnp.int8 if quantized else dtype
+
+    def scales():  # two buffers (one shared buffer could not be donated as both)
+        return jnp.zeros((num_pages, size, num_kv_heads), jnp.float32) if quantized else None
+
+    return PagedKVCache(
+        k_pages=jnp.zeros((num_pages, size, num_kv_heads, head_dim), dtype),
+        v_pages=jnp.zeros((num_pages, size, num_kv_heads, v_head_dim), dtype),
+        page_table=jnp.full((*batch_shape, pages_per_seq), num_pages, jnp.int32),
+        lengths=jnp.zeros(batch_shape, jnp.int32),
+        k_scales=scales(),
+        v_scales=scales(),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Checks (once, at the public entries)
+# ----------------------------------------------------------------------------------------
+
+
+def _check_cache(cache) -> PagedKVCache:
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(
+            f"cache must be a jattn.kvcache.PagedKVCache (from init_paged_cache), got "
+            f"{type(cache).__name__}."
+        )
+    k, v, table, lengths, k_scales, v_scales = cache
+    if (k_scales is None) != (v_scales is None) or (k_scales is not None) != (k.dtype == jnp.int8):
+        raise ValueError(
+            "a paged cache has int8 pages and both k_scales and v_scales, or float pages and "
+            "neither; build it with init_paged_cache(..., quantized=True/False)."
+        )
+    if k_scales is not None and (k_scales.shape != k.shape[:3] or v_scales.shape != v.shape[:3]):
+        raise ValueError(
+            f"k_scales and v_scales must be [num_pages, page_size, num_kv_heads] = {k.shape[:3]}, "
+            f"got {k_scales.shape} and {v_scales.shape}."
+        )
+    if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            "k_pages and v_pages must be [num_pages, page_size, num_kv_heads, dim] with the same "
+            f"first three dims, got {k.shape} and {v.shape}."
+        )
+    if table.ndim < 1 or table.shape[:-1] != lengths.shape:
+        raise ValueError(
+            f"page_table must be [batch..., pages_per_seq] and lengths [batch...], got "
+            f"{table.shape} and {lengths.shape}."
+        )
+    for name, x in (("page_table", table), ("lengths", lengths)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"cache.{name} must hold integers, got dtype {x.dtype}.")
+    return cache
+
+
+def _check_chunk(cache: PagedKVCache, key, value, num_new) -> tuple[Array, Array, Array]:
+    key, value = jnp.asarray(key), jnp.asarray(value)
+    batch = cache.lengths.shape
+    for name, x, pool in (("key", key, cache.k_pages), ("value", value, cache.v_pages)):
+        if x.ndim != len(batch) + 3 or x.shape[:-3] != batch or x.shape[-2:] != pool.shape[-2:]:
+            raise ValueError(
+                f"{name} must have shape [*{batch}, T, {pool.shape[-2]}, {pool.shape[-1]}] to "
+                f"match the paged cache, got {x.shape}."
+            )
+    chunk_len = key.shape[-3]
+    if chunk_len < 1 or value.shape[-3] != chunk_len:
+        raise ValueError(
+            f"key and value must hold the same chunk of T >= 1 tokens, got {key.shape} and "
+            f"{value.shape}."
+        )
+    if num_new is None:
+        num_new = jnp.full(batch, chunk_len, jnp.int32)
+    num_new = jnp.asarray(num_new)
+    if not jnp.issubdtype(num_new.dtype, jnp.integer):
+        raise TypeError(f"num_new must hold integers, got dtype {num_new.dtype}.")
+    try:
+        num_new = jnp.broadcast_to(num_new, batch).astype(jnp.int32)
+    except ValueError:
+        raise ValueError(
+            f"num_new must have the batch shape {batch} (real tokens per row) or be a scalar, "
+            f"got shape {num_new.shape}."
+        ) from None
+    if _checks.is_host_value(num_new) and _checks.is_host_value(cache.lengths):
+        n, lengths = np.asarray(num_new), np.asarray(cache.lengths)
+        if n.size and (n.min() < 0 or n.max() > chunk_len):
+            raise ValueError(f"num_new must be in [0, {chunk_len}], got {n.tolist()}.")
+        if n.size and (lengths + n).max() > capacity(cache):
+            raise ValueError(
+                f"paged KV cache overflow: rows with lengths {lengths.tolist()} cannot take "
+                f"{n.tolist()} more tokens; the page table holds {cache.page_table.shape[-1]} "
+                f"pages of {page_size(cache)} positions. Pass a wider page_table."
+            )
+    return key, value, num_new
+
+
+# ----------------------------------------------------------------------------------------
+# Writing and reading pages
+# ----------------------------------------------------------------------------------------
+
+
+def append(cache: PagedKVCache, key, value, *, num_new=None) -> PagedKVCache:
+    """Writes a chunk's keys and values after each row's last token.
+
+    Args:
+      cache: a :class:`PagedKVCache` whose page table has pages for the new positions.
+      key: ``[batch..., T, num_kv_heads, head_dim]``.
+      value: ``[batch..., T, num_kv_heads, v_head_dim]``.
+      num_new: int ``[batch...]``: real tokens per row (the rest is right padding, never
+        written); default ``T``.
+
+    Returns:
+      The cache with the pools written and ``lengths + num_new`` (capped at the table's
+      capacity); tokens on unallocated pages or past the table are dropped.
+    """
+    cache = _check_cache(cache)
+    key, value, num_new = _check_chunk(cache, key, value, num_new)
+    return _append(cache, key, value, num_new)
+
+
+def _append(cache: PagedKVCache, key: Array, value: Array, num_new: Array) -> PagedKVCache:
+    """:func:`append` of validated arguments."""
+    num_pages, size = cache.k_pages.shape[:2]
+    table = cache.page_table.reshape(-1, cache.page_table.shape[-1])  # [N, P]
+    n, width = table.shape
+    chunk_len = key.shape[-3]
+    t = jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [1, T]
+    pos = cache.lengths.reshape(n, 1) + t  # [N, T]: each token's position
+    # [N, T]: the page of each position (out-of-table positions read an unallocated entry)
+    page = jnp.take_along_axis(table, jnp.minimum(pos // size, width - 1), axis=1)
+    real = (t < num_new.reshape(n, 1)) & (pos < width * size) & (page >= 0) & (page < num_pages)
+    # [N, T]: the flat slot of the pool; padding, overflow and unallocated pages get
+    # num_pages * page_size, which mode="drop" discards (never clamped onto a real entry).
+    dest = jnp.where(real, page * size + pos % size, num_pages * size)
+
+    def write(pool: Array, x: Array) -> Array:
+        flat = pool.reshape(num_pages * size, *pool.shape[2:])
+        rows = x.reshape(n, chunk_len, *pool.shape[2:]).astype(pool.dtype)
+        return flat.at[dest].set(rows, mode="drop").reshape(pool.shape)
+
+    k_scales = v_scales = None
+    if cache.k_scales is not None:
+        (key, k_scales), (value, v_scales) = (
+            _quantize(x, pool, scales, write)
+            for x, pool, scales in ((key, cache.k_pages, cache.k_scales), (value, cache.v_pages, cache.v_scales))
+        )  # fmt: skip
+    return PagedKVCache(
+        k_pages=write(cache.k_pages, key),
+        v_pages=write(cache.v_pages, value),
+        page_table=cache.page_table,
+        lengths=jnp.minimum(cache.lengths + num_new, width * size).astype(jnp.int32),
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
+
+
+def _quantize(x: Array, pool: Array, scales: Array, write) -> tuple[Array, Array]:
+    """``x [..., D]`` as int8 and its per-token, per-head scales written into ``scales``."""
+    x = x.astype(jnp.float32)
+    # [..., K]: max |x| / 127 over head_dim; an all-zero vector gets scale 1 (stored as 0s)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, write(scales, scale)
+
+
+def gather(cache: PagedKVCache) -> kvcache.KVCache:
+    """The pages of each row in order, as a contiguous cache (slot ``j`` = position ``j``).
+
+    Returns:
+      ``KVCache(keys [batch..., pages_per_seq * page_size, num_kv_heads, head_dim],
+      values [...], lengths)``; unallocated pages read as zeros.
+    """
+    return _gather(_check_cache(cache))
+
+
+def _gather(cache: PagedKVCache) -> kvcache.KVCache:
+    width, size = cache.page_table.shape[-1], page_size(cache)
+
+    def read(pool: Array) -> Array:
+        # [batch..., P, page_size, K, D] -> [batch..., P * page_size, K, D]
+        pages = pool.at[cache.page_table].get(mode="fill", fill_value=0)
+        return pages.reshape(*cache.page_table.shape[:-1], width * size, *pool.shape[2:])
+
+    keys, values = read(cache.k_pages), read(cache.v_pages)
+    if cache.k_scales is not None:  # int8 pages: dequantized to float32
+        keys = keys.astype(jnp.float32) * read(cache.k_scales)[..., None]
+        values = values.astype(jnp.float32) * read(cache.v_scales)[..., None]
+    return kvcache.KVCache(keys, values, cache.lengths)
+
+
+# ----------------------------------------------------------------------------------------
+# Attention over pages
+# ----------------------------------------------------------------------------------------
+
+
+def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, **attend_kwargs):
+    """Appends a chunk to the pages, then attends its queries over each row's pages.
+
+    Args:
+      cache: a :class:`PagedKVCache` whose page table covers the new positions.
+      query: ``[batch..., T, num_heads, head_dim]``.
+      key: ``[batch..., T, num_kv_heads, head_dim]``.
+      value: ``[batch..., T, num_kv_heads, v_head_dim]``.
+      num_new: int ``[batch...]``: real tokens per row of the chunk; default ``T``.
+      **attend_kwargs: the keywords of :func:`jattn.kvcache.attend` (``mask``,
+        ``is_causal``, ``local_window_size``, ``score_mod``, ``mask_mod`` at absolute
+        positions, ``sinks``, ``dtype``, ...); their key axis is the page table's
+        ``pages_per_seq * page_size`` positions.
+
+    Returns:
+      ``(output, cache)``: ``[batch..., T, num_heads, v_head_dim]`` as
+      :func:`jattn.kvcache.attend` gives over a contiguous cache with the same tokens, and
+      the updated paged cache.
+    """
+    cache = _check_cache(cache)
+    key, value, num_new = _check_chunk(cache, key, value, num_new)
+    updated = _append(cache, key, value, num_new)
+    out = kvcache.attend(
+        _gather(updated), query, starts=cache.lengths, num_new=num_new, **attend_kwargs
+    )
+    return out, updated

@@ -1,0 +1,213 @@
+"""jattn.paged: pages written where the page table says, attention over pages equal to the
+contiguous cache and to the float64 numpy reference, modifiers, RoPE modules, overflow.
+
+Page tables are deliberately shuffled (a row's pages are scattered over the pool, and rows
+interleave), so a test passes only if every position goes through its own table entry.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jattn import kvcache as kv
+from jattn import mods, paged
+from jattn import nnx as jnnx
+from jattn.rope import RoPE
+from tests.reference import np_attention
+
+B, H, K, D, PAGE, WIDTH, POOL = 3, 4, 2, 5, 4, 4, 16
+
+jit_paged = jax.jit(paged.update_and_attend, static_argnames=("local_window_size",))
+
+
+def qkv(rng, length, batch=B):
+    def draw(h):
+        return jnp.asarray(rng.normal(size=(batch, length, h, D)), jnp.float32)
+
+    return draw(H), draw(K), draw(K)
+
+
+def shuffled_cache(rng, batch=B, width=WIDTH, pool=POOL):
+    """An empty paged cache whose rows own disjoint, shuffled pages (all allocated)."""
+    cache = paged.init_paged_cache(batch, pool, PAGE, width, K, D)
+    table = rng.permutation(pool)[: batch * width].reshape(batch, width)
+    return cache._replace(page_table=jnp.asarray(table, jnp.int32))
+
+
+def np_causal_rows(q, k, v, lengths):
+    """float64 reference: each row's real tokens, causal, concatenated per row."""
+    outs = []
+    for b, n in enumerate(lengths):
+        mask = np.tril(np.ones((n, n), bool))
+        outs.append(np_attention(q[b, :n], k[b, :n], v[b, :n], mask=mask))
+    return outs
+
+
+def test_reexported_from_kvcache():
+    assert kv.PagedKVCache is paged.PagedKVCache
+    assert kv.init_paged_cache is paged.init_paged_cache
+
+
+def test_init_shapes_and_unallocated_table():
+    c = paged.init_paged_cache((2, 3), 7, 4, 5, 2, 8, v_head_dim=6, dtype=jnp.bfloat16)
+    assert c.k_pages.shape == (7, 4, 2, 8) and c.v_pages.shape == (7, 4, 2, 6)
+    assert c.k_pages.dtype == jnp.bfloat16
+    assert c.page_table.shape == (2, 3, 5) and c.lengths.shape == (2, 3)
+    np.testing.assert_array_equal(c.page_table, 7)  # every entry unallocated
+    assert paged.page_size(c) == 4 and paged.pages_needed(9, 4) == 3
+
+
+def test_append_writes_through_the_table_and_gather_reads_in_order():
+    rng = np.random.default_rng(0)
+    cache = shuffled_cache(rng)
+    _, k, v = qkv(rng, 11)
+    lengths = np.array([11, 3, 7])
+    cache = paged.append(cache, k, v, num_new=jnp.asarray(lengths))
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    table, pool = np.asarray(cache.page_table), np.asarray(cache.k_pages)
+    for b, n in enumerate(lengths):
+        for p in range(n):  # numpy: position p of row b sits in page table[b, p // PAGE]
+            np.testing.assert_array_equal(pool[table[b, p // PAGE], p % PAGE], k[b, p])
+    view = paged.gather(cache)
+    assert view.keys.shape == (B, WIDTH * PAGE, K, D)
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(view.keys[b, :n], k[b, :n])
+        np.testing.assert_array_equal(view.values[b, :n], v[b, :n])
+    # pages nobody owns stay zero: padding tokens were never written
+    owned = set(table.reshape(-1).tolist())
+    used = {table[b, p // PAGE] for b, n in enumerate(lengths) for p in range(n)}
+    for page in set(range(POOL)) - owned:
+        assert not pool[page].any()
+    assert used <= owned
+
+
+def test_unallocated_pages_are_not_written_and_read_zero():
+    rng = np.random.default_rng(1)
+    cache = paged.init_paged_cache(1, 4, PAGE, 3, K, D)
+    cache = cache._replace(page_table=jnp.asarray([[2, 4, 4]], jnp.int32))  # page 1, 2 missing
+    _, k, v = qkv(rng, 6, batch=1)
+    cache = jax.jit(paged.append)(cache, k, v)
+    pool = np.asarray(cache.k_pages)
+    np.testing.assert_array_equal(pool[2], k[0, :PAGE])
+    assert not np.delete(pool, 2, axis=0).any()  # positions 4, 5 (unallocated) dropped
+    view = paged.gather(cache)
+    np.testing.assert_array_equal(view.keys[0, PAGE:], 0.0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prefill_and_decode_equal_contiguous_cache_and_numpy(chunked):
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, 14)
+    prompts, steps = np.array([5, 2, 9]), 5
+    pc, cc = shuffled_cache(rng), kv.init_cache(B, WIDTH * PAGE, K, D)
+    per_row = [[] for _ in range(B)]
+    t0 = int(prompts.max())
+    chunks = [(0, 4), (4, t0)] if chunked else [(0, t0)]
+    done = np.zeros(B, int)
+    for lo, hi in chunks:  # ragged prefill, possibly in two chunks
+        n = np.clip(prompts - lo, 0, hi - lo)
+        sl = slice(lo, hi)
+        po, pc = paged.update_and_attend(pc, q[:, sl], k[:, sl], v[:, sl], num_new=jnp.asarray(n))
+        co, cc = kv.update_and_attend(cc, q[:, sl], k[:, sl], v[:, sl], num_new=jnp.asarray(n))
+        np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
+        for b in range(B):
+            per_row[b].append(np.asarray(po[b, : n[b]]))
+        done += n
+    for i in range(steps):  # one token per row, each at its own position
+        pos = prompts + i
+        rows = np.arange(B)
+        step = [x[rows, pos][:, None] for x in (q, k, v)]
+        po, pc = jit_paged(pc, *step)
+        co, cc = kv.update_and_attend(cc, *step)
+        np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
+        for b in range(B):
+            per_row[b].append(np.asarray(po[b]))
+    np.testing.assert_array_equal(pc.lengths, prompts + steps)
+    want = np_causal_rows(q, k, v, prompts + steps)
+    for b in range(B):
+        np.testing.assert_allclose(np.concatenate(per_row[b]), want[b], rtol=2e-5, atol=2e-5)
+
+
+def test_modifiers_window_and_sinks_equal_contiguous_cache():
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, 9)
+    sinks = jnp.asarray(rng.normal(size=(H,)), jnp.float32)
+    score_mod = mods.compose(mods.softcap(3.0), mods.alibi(mods.alibi_slopes(H)))
+
+    def mask_mod(b, h, q_idx, kv_idx):  # depends on absolute positions: every third key hidden
+        return (kv_idx % 3 != 1) | (kv_idx == q_idx)
+
+    opts = dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, local_window_size=(4, 0))
+    pc, cc = shuffled_cache(rng), kv.init_cache(B, WIDTH * PAGE, K, D)
+    n = jnp.asarray([6, 3, 5])
+    po, pc = paged.update_and_attend(pc, q[:, :6], k[:, :6], v[:, :6], num_new=n, **opts)
+    co, cc = kv.update_and_attend(cc, q[:, :6], k[:, :6], v[:, :6], num_new=n, **opts)
+    np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
+    step = [x[:, 6:7] for x in (q, k, v)]
+    po, _ = paged.update_and_attend(pc, *step, **opts)
+    co, _ = kv.update_and_attend(cc, *step, **opts)
+    np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
+
+
+def test_multihead_attention_with_rope_decodes_through_pages():
+    """The NNX module (RoPE, GQA) with a paged cache gives the full-sequence output."""
+    rng = np.random.default_rng(4)
+    att = jnnx.MultiHeadAttention(
+        d_in=16, d_out=16, context_length=32, dropout=0.0, num_heads=4, num_kv_heads=2,
+        rope=RoPE(theta_base=10_000.0), rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    x = jnp.asarray(rng.normal(size=(2, 10, 16)), jnp.float32)
+    full = att(x, deterministic=True)
+    cache = paged.init_paged_cache(2, 8, PAGE, 3, 2, 4)
+    att.cache = nnx.Cache(cache._replace(page_table=jnp.asarray([[5, 0, 7], [2, 6, 1]])))
+    out = [att(x[:, :7], deterministic=True, decode=True)]
+    for t in range(7, 10):
+        out.append(att(x[:, t : t + 1], deterministic=True, decode=True))
+    np.testing.assert_allclose(jnp.concatenate(out, axis=1), full, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(att.cache.get_value().lengths, [10, 10])
+
+
+def test_overflow_eager_raises_and_jit_drops():
+    rng = np.random.default_rng(5)
+    cache = shuffled_cache(rng, batch=1, width=2)
+    q, k, v = qkv(rng, 9, batch=1)
+    with pytest.raises(ValueError, match="paged KV cache overflow"):
+        paged.update_and_attend(cache, q, k, v)
+    out, full = jit_paged(cache, q, k, v)
+    np.testing.assert_array_equal(full.lengths, [2 * PAGE])
+    np.testing.assert_array_equal(out[0, 2 * PAGE :], 0.0)  # the overflowed query attends nothing
+
+
+def test_bad_input_is_named():
+    cache = paged.init_paged_cache(2, 4, PAGE, 2, K, D)
+    with pytest.raises(TypeError, match="PagedKVCache"):
+        paged.append(kv.init_cache(2, 8, K, D), jnp.zeros((2, 1, K, D)), jnp.zeros((2, 1, K, D)))
+    with pytest.raises(ValueError, match="key must have shape"):
+        paged.append(cache, jnp.zeros((2, 1, K + 1, D)), jnp.zeros((2, 1, K, D)))
+    with pytest.raises(ValueError, match="num_new must be in"):
+        paged.append(cache, jnp.zeros((2, 1, K, D)), jnp.zeros((2, 1, K, D)), num_new=[2, 0])
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        paged.init_paged_cache(2, 4, 0, 2, K, D)
+
+
+def test_int8_pages_round_trip_within_half_a_step_and_attend_close_to_float():
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, 10)
+    base = shuffled_cache(rng)
+    quant = paged.init_paged_cache(B, POOL, PAGE, WIDTH, K, D, quantized=True)
+    quant = quant._replace(page_table=base.page_table)
+    assert quant.k_pages.dtype == jnp.int8 and quant.k_scales.shape == (POOL, PAGE, K)
+    n = jnp.asarray([10, 4, 7])
+    fo, _ = paged.update_and_attend(base, q, k, v, num_new=n)
+    qo, quant = jax.jit(paged.update_and_attend)(quant, q, k, v, num_new=n)
+    view = paged.gather(quant)
+    # numpy: each stored vector is within half a quantization step (max|x| / 254) of x
+    for b, m in enumerate(np.asarray(n)):
+        for got, x in ((view.keys[b, :m], k[b, :m]), (view.values[b, :m], v[b, :m])):
+            x = np.asarray(x, np.float64)
+            step = np.abs(x).max(-1, keepdims=True) / 127.0
+            assert np.all(np.abs(np.asarray(got) - x) <= step / 2 + 1e-6)
+    err = np.abs(np.asarray(qo) - np.asarray(fo)).max() / np.abs(np.asarray(fo)).max()
+    assert 0 < err < 0.02, err  # int8 changes the output, by under 2% of its range

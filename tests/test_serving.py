@@ -1,0 +1,194 @@
+"""jattn.models.generate_many: continuous batching over a paged KV cache.
+
+Each request's greedy continuation must equal jattn.models.generate of its prompt alone
+(itself tested against the book's loop in test_models.py), cut at its first eos id; the
+number of compilations must not grow with the number of requests.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jattn import models
+from jattn.models import serving
+
+GPT_CFG = dict(
+    vocab_size=61, context_length=48, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0,
+    qkv_bias=True,
+)  # fmt: skip
+LLAMA_CFG = dict(
+    vocab_size=61, context_length=48, emb_dim=32, n_heads=4, n_layers=2, hidden_dim=64,
+    n_kv_groups=2, rope_base=500_000.0, dtype="float32",
+    rope_freq={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_context_length": 16},
+)  # fmt: skip
+QWEN_CFG = dict(
+    vocab_size=61, context_length=48, emb_dim=32, n_heads=4, n_layers=2, hidden_dim=64,
+    head_dim=16, qk_norm=True, n_kv_groups=2, rope_base=1_000_000.0, dtype="float32",
+)  # fmt: skip
+BUILD = {
+    "gpt2": lambda: models.GPTModel(GPT_CFG, rngs=nnx.Rngs(1)),
+    "llama3": lambda: models.Llama3Model(LLAMA_CFG, rngs=nnx.Rngs(2)),
+    "qwen3": lambda: models.Qwen3Model(QWEN_CFG, rngs=nnx.Rngs(3)),
+}
+OPTS = dict(page_size=16, prefill_chunk=16)
+
+
+def prompts_of(lengths, seed=0, vocab=61):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n).astype(np.int32) for n in lengths]
+
+
+def cut(out, max_new, eos=()):
+    out = list(out)[:max_new]
+    return out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
+
+
+def alone(model, prompt, max_new, eos=()):
+    """jattn.models.generate of one prompt, cut before its first eos id."""
+    out = np.asarray(models.generate(model, jnp.asarray(prompt)[None], max_new))[0]
+    return cut(out.tolist(), max_new, eos)
+
+
+def references(model, prompts, max_new):
+    """jattn.models.generate of the prompts as one right-padded ragged batch (one compile;
+    each row equals its prompt alone, test_models.py), each cut to its max_new."""
+    padded = np.zeros((len(prompts), max(p.size for p in prompts)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : p.size] = p
+    lengths = jnp.asarray([p.size for p in prompts])
+    out = np.asarray(models.generate(model, padded, max(max_new), prompt_lengths=lengths))
+    return [row[:m].tolist() for row, m in zip(out, max_new, strict=True)]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama3", "qwen3"])
+def test_greedy_equals_generate_alone_with_eos(arch):
+    model = BUILD[arch]()
+    prompts = prompts_of([3, 17, 9, 26, 5])
+    max_new = [9, 4, 12, 7, 14]
+    refs = references(model, prompts, max_new)
+    assert refs[0] == alone(model, prompts[0], max_new[0])
+    # an eos id that some continuation produces after its first token, so requests stop early
+    eos = next(r[2] for r in refs if len(r) > 2)
+    outs, stats = models.generate_many(
+        model, prompts, max_new, slots=2, eos_id=[eos], return_stats=True, **OPTS
+    )
+    for ref, m, out in zip(refs, max_new, outs, strict=True):
+        assert out.dtype == np.int32
+        assert out.tolist() == cut(ref, m, eos=(eos,))
+    assert any(
+        len(o) < m for o, m in zip(outs, max_new, strict=True)
+    )  # some request stopped on eos
+    assert stats.peak_pages <= stats.num_pages
+    assert not hasattr(model.trf_blocks[0].att, "cache")  # the model was not modified
+
+
+@contextlib.contextmanager
+def compile_events():
+    """Backend compilations inside the block (jax.monitoring, as tests/test_toy.py)."""
+    events = []
+
+    def listener(event, *_args, **_kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_compilations_do_not_grow_with_the_number_of_requests():
+    model = BUILD["gpt2"]()
+    few = prompts_of([30, 4, 11])
+    many = few + prompts_of([7, 2, 19, 13, 5, 28, 9, 16, 3], seed=1)
+    jax.clear_caches()
+    with compile_events() as first:
+        _, s1 = models.generate_many(model, few, 10, slots=2, return_stats=True, **OPTS)
+    jax.clear_caches()
+    with compile_events() as second:
+        outs, s2 = models.generate_many(model, many, 10, slots=2, return_stats=True, **OPTS)
+    assert s1.programs == s2.programs  # the same step shapes...
+    assert len(second) == len(first)  # ...so the same compilations, for four times the requests
+    # one per step shape, and the eager zeros of the pools, page table and lengths
+    assert len(first) <= len(s1.programs) + 6
+    with compile_events() as third:
+        models.generate_many(model, many[::-1], 10, slots=2, **OPTS)
+    assert third == []  # a new run of the same shapes compiles nothing
+    assert outs[3].tolist() == alone(model, many[3], 10)
+
+
+def test_prefix_sharing_reuses_pages_and_keeps_the_output():
+    model = BUILD["llama3"]()
+    common = prompts_of([24])[0]
+    prompts = [common, np.concatenate([common[:16], [5, 6, 7]]), common]
+    opts = dict(page_size=8, prefill_chunk=8)
+    outs, stats = models.generate_many(
+        model, prompts, [12, 6, 5], slots=3, return_stats=True, **opts
+    )
+    assert stats.shared_pages == 4  # requests 1 and 2 reuse request 0's two full pages
+    for ref, out in zip(references(model, prompts, [12, 6, 5]), outs, strict=True):
+        assert out.tolist() == ref
+    _, unshared = models.generate_many(
+        model, prompts, [12, 6, 5], slots=3, share_prefixes=False, return_stats=True, **opts
+    )
+    assert unshared.shared_pages == 0 and unshared.peak_pages > stats.peak_pages
+
+
+def test_a_small_pool_makes_requests_wait_and_memory_follows_tokens():
+    model = BUILD["gpt2"]()
+    prompts = prompts_of([20, 3, 6, 14])
+    outs, stats = models.generate_many(
+        model, prompts, 8, slots=4, num_pages=4, return_stats=True, page_size=8, prefill_chunk=8
+    )
+    assert stats.peak_pages <= 4 < 4 * 4  # 4 slots x 4 pages would be the contiguous cache
+    assert [o.tolist() for o in outs] == references(model, prompts, [8] * 4)
+
+
+def test_sampling_does_not_depend_on_slots_or_order():
+    model = BUILD["qwen3"]()
+    prompts = prompts_of([5, 12, 3])
+    kw = dict(temperature=1.5, top_k=20, key=jax.random.key(7), **OPTS)
+    one = models.generate_many(model, prompts, 6, slots=1, **kw)
+    three = models.generate_many(model, prompts, 6, slots=3, **kw)
+    assert [o.tolist() for o in one] == [o.tolist() for o in three]
+    other = models.generate_many(model, prompts, 6, slots=3, **{**kw, "key": jax.random.key(8)})
+    assert [o.tolist() for o in other] != [o.tolist() for o in three]
+
+
+def test_bad_input_is_named():
+    model = BUILD["gpt2"]()
+    p = prompts_of([4])
+    with pytest.raises(TypeError, match="prompts must be a non-empty list"):
+        models.generate_many(model, [], 4, slots=1)
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds ids"):
+        models.generate_many(model, [[1, 99]], 4, slots=1)
+    with pytest.raises(ValueError, match="request 0: a prompt of 4 tokens"):
+        models.generate_many(model, p, 46, slots=1)
+    with pytest.raises(ValueError, match="one per prompt"):
+        models.generate_many(model, p, [3, 4], slots=1)
+    with pytest.raises(ValueError, match="slots must be an int >= 1"):
+        models.generate_many(model, p, 4, slots=0)
+    with pytest.raises(ValueError, match="eos_id values"):
+        models.generate_many(model, p, 4, slots=1, eos_id=61)
+    with pytest.raises(ValueError, match="needs a random key"):
+        models.generate_many(model, p, 4, slots=1, temperature=1.0)
+    with pytest.raises(ValueError, match="num_pages"):
+        models.generate_many(model, p, 20, slots=1, num_pages=2, page_size=8)
+    with pytest.raises(TypeError, match=r"jattn\.models model"):
+        serving.generate_many(object(), p, 4, slots=1)
+
+
+def test_int8_pages_keep_most_greedy_tokens():
+    model = BUILD["gpt2"]()
+    prompts = prompts_of([9, 21, 5])
+    exact = models.generate_many(model, prompts, 8, slots=3, **OPTS)
+    int8 = models.generate_many(model, prompts, 8, slots=3, kv_int8=True, **OPTS)
+    assert [o.size for o in int8] == [8, 8, 8]
+    same = np.mean(np.concatenate(exact) == np.concatenate(int8))
+    assert same >= 0.8, same  # int8 keys/values move the logits a little (tests/test_paged.py)
