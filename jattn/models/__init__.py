@@ -13,12 +13,15 @@ logits ``[batch..., T, vocab_size]`` from ``model(token_ids)``, and decodes with
   :func:`to_book_state_dict` goes back.
 * :func:`generate` ``(model, token_ids, max_new_tokens, temperature, top_k, key)``
   generates with the KV cache in one compiled program; ``window=`` decodes through
-  rolling caches (sliding-window attention), so Llama 3 / Qwen3 can run past the context.
+  rolling caches (sliding-window attention), so Llama 3 / Qwen3 can run past the context;
+  ``eos_id=`` stops rows at a stop token; :func:`generate_stream` yields tokens as they come.
+* ``model(tokens, segment_ids=, positions=)`` trains on packed rows (:func:`jattn.pack`):
+  no attention across documents, positions restarting per document.
 """
 
 from jattn.models.base import LanguageModel
 from jattn.models.configs import GPTConfig, Llama3Config, Qwen3Config, config_from_book
-from jattn.models.generation import generate
+from jattn.models.generation import generate, generate_stream
 from jattn.models.gpt2 import GPTModel
 from jattn.models.llama3 import Llama3Model
 from jattn.models.qwen3 import Qwen3Model
@@ -37,5 +40,6 @@ __all__ = [
     "detect_arch",
     "from_book",
     "generate",
+    "generate_stream",
     "to_book_state_dict",
 ]
