@@ -250,7 +250,7 @@ def check_stop(eos_id, pad_id, vocab_size: int | None = None) -> tuple[Array, in
 
 def _is_stop(tokens: Array, eos_ids: Array) -> Array:
     """Bool ``tokens.shape``: True where a token is one of ``eos_ids [E]`` (never if ``E = 0``)."""
-    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+    return jnp.any(tokens[..., None] == eos_ids.reshape((1,) * tokens.ndim + (-1,)), axis=-1)
 
 
 def stop_at_eos(tokens: Array, eos_ids: Array, pad_id: int) -> tuple[Array, Array]:

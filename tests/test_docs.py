@@ -163,6 +163,7 @@ def test_fences_closed():
 
 API_PAGES = {
     "jattn": "jattn",
+    "jattn.packing": "jattn",
     "jattn.masks": "masks",
     "jattn.mods": "mods",
     "jattn.block_masks": "block_masks",

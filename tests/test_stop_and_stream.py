@@ -178,19 +178,24 @@ def _book_models(arch, model):
     book_cls = getattr(
         importlib.import_module(f"llms_from_scratch.{'ch04' if arch == 'gpt2' else arch}"), name
     )
-    cached_cls = getattr(importlib.import_module(f"llms_from_scratch.kv_cache.{arch}"), name)
     if arch == "gpt2":
+        # The book's KV-cache GPT-2 fails on its cached steps in llms-from-scratch 1.0.19 (a
+        # mask indexing bug, see examples/07_book_models.py), so the stream runs on chapter
+        # 4's model, fed the whole sequence so far at each call (what a cache stands for).
+        class cached_cls(book_cls):
+            def __init__(self, cfg):
+                super().__init__(cfg)
+                self.cfg, self.seen = cfg, None  # generate_text_simple_stream reads cfg
 
-        class CachedGPT(cached_cls):
-            # The book's KV-cache GPT-2 takes use_cache= and has no reset_kv_cache, both of
-            # which generate_text_simple_stream (written for its Llama 3 / Qwen3) expects.
             def forward(self, in_idx, cache=None):
-                return super().forward(in_idx, use_cache=cache is not None, cache=cache)
+                self.seen = in_idx if self.seen is None else torch.cat([self.seen, in_idx], 1)
+                return super().forward(self.seen)[:, -in_idx.shape[1] :]
 
             def reset_kv_cache(self):
-                self.current_pos = 0
+                self.seen = None
 
-        cached_cls = CachedGPT
+    else:
+        cached_cls = getattr(importlib.import_module(f"llms_from_scratch.kv_cache.{arch}"), name)
     cfg = CFGS[arch] if arch == "gpt2" else {**CFGS[arch], "dtype": torch.float32}
     state = {
         k: torch.from_numpy(np.asarray(v)) for k, v in models.to_book_state_dict(model).items()
