@@ -6,6 +6,7 @@ own ``generate`` and ``generate_text_simple_stream`` on its PyTorch models when 
 llms-from-scratch are installed (``@pytest.mark.torch``).
 """
 
+import dataclasses
 import importlib
 
 import jax
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _book_models_reference import gpt_forward, llama3_forward, qwen3_forward, random_state_dict
+from flax import nnx
 
+from jattn import generate as jgen
 from jattn import models
 from jattn.models import generation
 
@@ -142,6 +145,42 @@ def test_stream_of_one_row_stops_before_its_stop_token_and_compiles_once(monkeyp
     other, _ = load("llama3", seed=1)
     assert len(list(models.generate_stream(other, prompt[:, ::-1], N))) == N
     assert len(traces) == first  # new weights and tokens, same shapes: no new trace
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingDecode:
+    """A model's ``decode_fn`` that records every call it runs (not traces: runs)."""
+
+    inner: generation.NNXDecodeFn
+
+    def __call__(self, params, tokens, cache, num_new):
+        jax.debug.callback(lambda: RUNS.append(tokens.shape[1]))
+        return self.inner(params, tokens, cache, num_new)
+
+
+RUNS: list = []
+
+
+def test_the_compiled_loop_stops_once_every_row_has_ended():
+    model, _ = load("gpt2")
+    free = models.generate(model, PROMPT[:1], N)[0]
+    eos, stop = a_stop_token(free, 3)
+    model.init_cache(1, 32)
+    graphdef, cache, state = nnx.split(model, nnx.Cache, ...)
+    decode_fn = CountingDecode(generation.NNXDecodeFn(graphdef))
+    RUNS.clear()
+    tokens, lengths = jgen.generate(
+        decode_fn, state, cache, PROMPT[:1], max_new_tokens=N, eos_id=eos, return_lengths=True
+    )
+    np.testing.assert_array_equal(tokens[0, :stop], free[:stop])
+    jax.effects_barrier()
+    assert int(lengths[0]) == stop
+    # The prefill, then one step per token up to and including the stop token.
+    assert RUNS == [PROMPT.shape[1]] + [1] * stop
+    RUNS.clear()
+    jgen.generate(decode_fn, state, cache, PROMPT[:1], max_new_tokens=N)
+    jax.effects_barrier()
+    assert RUNS == [PROMPT.shape[1]] + [1] * (N - 1)
 
 
 @pytest.mark.parametrize(
