@@ -27,6 +27,7 @@ from jattn.masks import (
     segment_mask,
     sliding_window_mask,
 )
+from jattn.packing import Packed, pack, positions_from_segment_ids, unpack, varlen_attention
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ def __getattr__(name):
 __all__ = [
     "BlockMask",
     "CausalAlignmentWarning",
+    "Packed",
     "block_mask",
     "book",
     "causal_mask",
@@ -60,10 +62,14 @@ __all__ = [
     "mask_to_bias",
     "masks",
     "mods",
+    "pack",
     "padding_mask",
     "padding_mask_from_lengths",
+    "positions_from_segment_ids",
     "segment_mask",
     "simplified_self_attention",
     "simplified_self_attention_loop",
     "sliding_window_mask",
+    "unpack",
+    "varlen_attention",
 ]

@@ -614,6 +614,44 @@ def check_positions(positions, heads: HeadConfig | None, cls_name: str, batch_sh
     return positions
 
 
+def check_segment_ids(segment_ids, cls_name: str, batch_shape, length, decoding: bool):
+    """Validates the call's ``segment_ids`` (int, broadcastable to ``[batch..., T]``), or None.
+
+    Returns them broadcast to ``[batch..., T]`` (the core takes exact shapes).
+
+    Raises:
+      TypeError: ids that are not integers.
+      ValueError: a shape that does not broadcast to ``[batch..., T]``, or ids in decode
+        mode (a KV cache row is one sequence; pack for training and prefill only).
+    """
+    if segment_ids is None:
+        return None
+    if decoding:
+        raise ValueError(
+            f"{cls_name}: segment_ids (packed documents) cannot be used in decode mode: each "
+            "KV-cache row holds one sequence. Decode documents in rows of their own."
+        )
+    segment_ids = jnp.asarray(segment_ids)
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(
+            f"{cls_name}: segment_ids must hold integers (the document of each token), got "
+            f"dtype {segment_ids.dtype}."
+        )
+    target = (*batch_shape, length)
+    ok = 1 <= segment_ids.ndim <= len(target) and segment_ids.shape[-1] == length
+    try:
+        ok = ok and jnp.broadcast_shapes(segment_ids.shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{cls_name}: segment_ids must be int [batch..., T] broadcastable to {target} (one "
+            f"document id per token of x, e.g. jattn.pack(...).segment_ids), got shape "
+            f"{segment_ids.shape}."
+        )
+    return jnp.broadcast_to(segment_ids, target)
+
+
 def prepare_qk(heads: HeadConfig, q: Array, k: Array, *, qk_norms=None, positions=None):
     """QK-norm, then RoPE: what happens to split queries and keys before attention.
 
@@ -657,6 +695,7 @@ def attend(
     heads: HeadConfig | None = None,
     qk_norms=None,
     positions=None,
+    segment_ids=None,
     mask=None,
     deterministic: bool = True,
     dropout_rng: Array | None = None,
@@ -678,6 +717,9 @@ def attend(
       qk_norms: ``(q_norm, k_norm)`` modules when ``heads.qk_norm``.
       positions: int ``[batch..., T]`` (broadcastable) token positions for RoPE; default
         ``0 ... T-1``, in decode mode each row's cache length onward.
+      segment_ids: int ``[batch..., T]`` (broadcastable) documents of packed rows
+        (:func:`jattn.pack`): a token attends only tokens with its id (the core's
+        ``query_segment_ids``); not in decode mode.
       mask: optional bool, True = attend, broadcastable to ``[batch..., num_heads, T, T]``.
       deterministic: True: no dropout.
       dropout_rng: the dropout key when ``deterministic`` is False.
@@ -701,6 +743,9 @@ def attend(
     num_heads, num_kv_heads = (1, 1) if heads is None else (heads.num_heads, heads.num_kv_heads)
     positions = check_positions(
         positions, heads, config.cls_name, queries.shape[:-2], queries.shape[-2]
+    )
+    segment_ids = check_segment_ids(
+        segment_ids, config.cls_name, queries.shape[:-2], queries.shape[-2], cache is not None
     )
     # [batch..., T, H, D] and [batch..., T, K, D]
     q = split_heads(queries, num_heads)
@@ -731,7 +776,9 @@ def attend(
             "NNX modules after init_cache() and called with decode=True."
         )
     if cache is None:
-        out = functional.dot_product_attention(q, k, v, is_causal=config.is_causal, **options)
+        out = functional.dot_product_attention(
+            q, k, v, is_causal=config.is_causal, query_segment_ids=segment_ids, **options
+        )
     else:
         out, cache = kvcache.update_and_attend(
             cache, q, k, v, num_new=num_new, is_causal=config.is_causal, **options

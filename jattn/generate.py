@@ -22,6 +22,13 @@ arguments, hashed by identity, so a fresh lambda per call recompiles. For a Line
 :class:`LinenDecodeFn` and :class:`LinenForwardFn` are ready-made (they compare equal
 for equal models, so they never recompile needlessly).
 
+**Stop tokens and streaming.** ``eos_id=`` (one id or several) ends a row when its next
+token is one of them, as the book's chapter-5 ``generate(..., eos_id=)``: the stop token is
+not part of the continuation, the row's later positions hold ``pad_id`` (default the stop
+token), ``return_lengths=True`` gives each row's length, and the compiled loop (a
+``lax.while_loop``) stops once every row has ended. :func:`generate_stream` yields the
+same tokens one step at a time, as the book's ``generate_text_simple_stream``.
+
 Randomness is explicit: step ``i`` samples with ``jax.random.fold_in(key, i)``, so a key
 fixes the whole continuation, and ``temperature=0`` (greedy) needs no key.
 """
@@ -44,9 +51,12 @@ from jattn import masks as masks_lib
 __all__ = [
     "LinenDecodeFn",
     "LinenForwardFn",
+    "check_stop",
     "generate",
     "generate_recompute",
+    "generate_stream",
     "sample_next",
+    "stop_at_eos",
 ]
 
 Array = jax.Array
@@ -199,32 +209,114 @@ def _check_cache_room(cache, lengths: Array, max_new_tokens: int) -> None:
             )
 
 
+def check_stop(eos_id, pad_id, vocab_size: int | None = None) -> tuple[Array, int]:
+    """``(eos_ids int32 [E], pad_id)`` of a call's stop tokens (``E = 0``: no stop token).
+
+    Args:
+      eos_id: None, one token id, or a sequence of them (any of which ends a row).
+      pad_id: the id written after a row stops; None: the first of ``eos_id`` (0 without).
+      vocab_size: when known, ids must be below it.
+
+    Raises:
+      ValueError: ids that are not ints >= 0 (below ``vocab_size``), an empty sequence.
+    """
+    hint = f" in [0, {vocab_size})" if vocab_size is not None else " >= 0"
+
+    def token_id(value, name):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+        if not ok or (vocab_size is not None and value >= vocab_size):
+            raise ValueError(f"{name} must be a token id (an int{hint}), got {value!r}.")
+        return int(value)
+
+    if eos_id is None:
+        ids = []
+    elif isinstance(eos_id, numbers.Integral) and not isinstance(eos_id, bool):
+        ids = [token_id(eos_id, "eos_id")]
+    else:
+        try:
+            ids = [token_id(x, "eos_id") for x in eos_id]
+        except TypeError:
+            raise ValueError(
+                f"eos_id must be None, a token id or a sequence of token ids, got {eos_id!r}."
+            ) from None
+        if not ids:
+            raise ValueError("eos_id is an empty sequence: pass None for no stop token.")
+    if pad_id is None:
+        pad_id = ids[0] if ids else 0
+    elif not (isinstance(pad_id, numbers.Integral) and not isinstance(pad_id, bool)):
+        raise ValueError(f"pad_id must be an int (the id after a row stops), got {pad_id!r}.")
+    return jnp.asarray(ids, jnp.int32).reshape(-1), int(pad_id)
+
+
+def _is_stop(tokens: Array, eos_ids: Array) -> Array:
+    """Bool ``tokens.shape``: True where a token is one of ``eos_ids [E]`` (never if ``E = 0``)."""
+    return jnp.any(tokens[..., None] == eos_ids.reshape((1,) * tokens.ndim + (-1,)), axis=-1)
+
+
+def stop_at_eos(tokens: Array, eos_ids: Array, pad_id: int) -> tuple[Array, Array]:
+    """Ends each row at its first stop token, as the book's ``generate(..., eos_id=)``.
+
+    Args:
+      tokens: int ``[B, N]`` generated tokens.
+      eos_ids: int ``[E]`` stop tokens.
+      pad_id: written at the first stop token and after it.
+
+    Returns:
+      ``(tokens [B, N], lengths int32 [B])``: row ``b``'s continuation is
+      ``tokens[b, :lengths[b]]`` (the stop token itself excluded); the rest is ``pad_id``.
+    """
+    stopped = jnp.cumsum(_is_stop(tokens, eos_ids), axis=1) > 0  # [B, N]
+    lengths = jnp.sum(~stopped, axis=1, dtype=jnp.int32)
+    return jnp.where(stopped, jnp.int32(pad_id), tokens), lengths
+
+
 # ----------------------------------------------------------------------------------------
 # Generators
 # ----------------------------------------------------------------------------------------
 
 
-@partial(jax.jit, static_argnames=("decode_fn", "max_new_tokens", "temperature", "top_k"))
-def _generate(
-    decode_fn, params, cache, prompt, lengths, key, *, max_new_tokens, temperature, top_k
-):
-    sample = partial(sample_next, temperature=temperature, top_k=top_k)
-    # Prefill: [B, P, V]; row b's next token comes from its last real position.
+def _prefill(decode_fn, params, cache, prompt, lengths, key, *, temperature, top_k):
+    """The prompt through the model once: ``(first new token [B], cache)``."""
+    # [B, P, V]; row b's next token comes from its last real position.
     logits, cache = decode_fn(params, prompt, cache, lengths)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    first = sample(last, jax.random.fold_in(key, 0))
-    ones = jnp.ones_like(lengths)
+    first = sample_next(last, jax.random.fold_in(key, 0), temperature=temperature, top_k=top_k)
+    return first, cache
 
-    def step(carry, i):
-        token, cache = carry
-        # [B, 1] -> [B, 1, V]
-        logits, cache = decode_fn(params, token[:, None], cache, ones)
-        token = sample(logits[:, -1], jax.random.fold_in(key, i))
-        return (token, cache), token
 
-    _, rest = jax.lax.scan(step, (first, cache), jnp.arange(1, max_new_tokens))
-    # [B, 1] + [B, N - 1]
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+def _step(decode_fn, params, cache, token, i, key, *, temperature, top_k):
+    """One token per row through the model: ``(token i [B], cache)``."""
+    # [B, 1] -> [B, 1, V]
+    logits, cache = decode_fn(params, token[:, None], cache, jnp.ones_like(token))
+    token = sample_next(
+        logits[:, -1], jax.random.fold_in(key, i), temperature=temperature, top_k=top_k
+    )
+    return token, cache
+
+
+@partial(jax.jit, static_argnames=("decode_fn", "max_new_tokens", "temperature", "top_k", "pad_id"))
+def _generate(
+    decode_fn, params, cache, prompt, lengths, key, eos_ids, *, max_new_tokens, temperature,
+    top_k, pad_id,
+):  # fmt: skip
+    sampling = dict(temperature=temperature, top_k=top_k)
+    first, cache = _prefill(decode_fn, params, cache, prompt, lengths, key, **sampling)
+    # [B, N]: the tokens so far; steps after every row has stopped are never run.
+    out = jnp.full((prompt.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+
+    def running(carry):
+        i, _, _, done, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def step(carry):
+        i, token, cache, done, out = carry
+        # A stopped row keeps decoding its own (valid) token; its output is padding.
+        token, cache = _step(decode_fn, params, cache, token, i, key, **sampling)
+        return i + 1, token, cache, done | _is_stop(token, eos_ids), out.at[:, i].set(token)
+
+    carry = (jnp.int32(1), first, cache, _is_stop(first, eos_ids), out)
+    out = jax.lax.while_loop(running, step, carry)[-1]
+    return stop_at_eos(out, eos_ids, pad_id)
 
 
 def generate(
@@ -238,8 +330,11 @@ def generate(
     key: Array | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
-) -> Array:
-    """Generates ``max_new_tokens`` tokens per row with a KV cache, in one jitted ``lax.scan``.
+    eos_id=None,
+    pad_id: int | None = None,
+    return_lengths: bool = False,
+):
+    """Generates up to ``max_new_tokens`` tokens per row with a KV cache, in one jitted loop.
 
     Args:
       decode_fn: ``(params, tokens [B, T], cache, num_new [B]) -> (logits [B, T, V], cache)``
@@ -254,25 +349,98 @@ def generate(
       key: ``jax.random`` key; required when ``temperature > 0``.
       temperature: 0 for greedy decoding, else the sampling temperature.
       top_k: sample among the ``top_k`` most likely tokens only (None: all).
+      eos_id: a stop token id, or several (None: none). A row ends when its next token
+        is one of them, which is not part of its continuation (the book's ``generate(...,
+        eos_id=)``); once every row has ended, no further step runs.
+      pad_id: the id after a row's end; default the (first) ``eos_id``.
+      return_lengths: also return each row's continuation length.
 
     Returns:
-      int32 ``[B, max_new_tokens]``: the continuation of each row's real prompt.
+      int32 ``[B, max_new_tokens]``: the continuation of each row's real prompt, ``pad_id``
+      from its end on; with ``return_lengths``, ``(tokens, lengths int32 [B])`` where row
+      ``b``'s continuation is ``tokens[b, :lengths[b]]``.
     """
     _check_model_fn(decode_fn, "decode_fn")
     temperature, top_k = _check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
+    eos_ids, pad_id = check_stop(eos_id, pad_id)
+    _checks.flag(return_lengths, "return_lengths")
     _check_cache_room(cache, lengths, max_new_tokens)
-    return _generate(
+    tokens, ends = _generate(
         decode_fn,
         params,
         cache,
         prompt,
         lengths,
         jax.random.key(0) if key is None else key,  # unused when greedy
+        eos_ids,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
+        pad_id=pad_id,
     )
+    return (tokens, ends) if return_lengths else tokens
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("decode_fn", "temperature", "top_k"))
+_step_jit = jax.jit(_step, static_argnames=("decode_fn", "temperature", "top_k"))
+
+
+def generate_stream(
+    decode_fn: DecodeFn,
+    params,
+    cache,
+    prompt,
+    prompt_lengths=None,
+    *,
+    max_new_tokens: int,
+    key: Array | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id=None,
+    pad_id: int | None = None,
+):
+    """Yields the new tokens one step at a time, as they are produced (the book's
+    ``generate_text_simple_stream``).
+
+    The same tokens as :func:`generate` with the same arguments (the same keys per step),
+    from two compiled programs (the prefill and one step), each compiled once per shape.
+
+    Args:
+      decode_fn, params, cache, prompt, prompt_lengths, max_new_tokens, key, temperature,
+        top_k, eos_id, pad_id: as :func:`generate`.
+
+    Yields:
+      int32 ``[B]`` per step: each row's next token, ``pad_id`` for a row that has ended.
+      The stream stops after ``max_new_tokens`` steps, or as soon as every row has ended
+      (so with one row it stops before yielding its stop token, as the book's).
+    """
+    _check_model_fn(decode_fn, "decode_fn")
+    temperature, top_k = _check_sampling(temperature, top_k, key)
+    prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
+    eos_ids, pad_id = check_stop(eos_id, pad_id)
+    _check_cache_room(cache, lengths, max_new_tokens)
+    key = jax.random.key(0) if key is None else key
+    sampling = dict(temperature=temperature, top_k=top_k)
+    return _stream(
+        decode_fn, params, cache, prompt, lengths, key, eos_ids, pad_id, max_new_tokens, sampling
+    )
+
+
+def _stream(decode_fn, params, cache, prompt, lengths, key, eos_ids, pad_id, steps, sampling):
+    """The generator behind :func:`generate_stream` (its arguments checked before the first
+    ``next``)."""
+    token, cache = _prefill_jit(decode_fn, params, cache, prompt, lengths, key, **sampling)
+    done = jnp.zeros(token.shape, bool)
+    for i in range(steps):
+        done = done | _is_stop(token, eos_ids)
+        if bool(jnp.all(done)):
+            return
+        yield jnp.where(done, jnp.int32(pad_id), token)
+        if i + 1 < steps:
+            token, cache = _step_jit(
+                decode_fn, params, cache, token, jnp.int32(i + 1), key, **sampling
+            )
 
 
 @partial(jax.jit, static_argnames=("forward_fn", "max_new_tokens", "temperature", "top_k"))
@@ -313,7 +481,10 @@ def generate_recompute(
     key: Array | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
-) -> Array:
+    eos_id=None,
+    pad_id: int | None = None,
+    return_lengths: bool = False,
+):
     """The reference generator: a full forward pass over the sequence for every new token.
 
     As chapter 4 of the book, but with a fixed-size window so one compilation serves every
@@ -322,17 +493,20 @@ def generate_recompute(
 
     Args:
       forward_fn: ``(params, tokens [B, S]) -> logits [B, S, V]``, causal; a static argument.
-      params, prompt, prompt_lengths, max_new_tokens, key, temperature, top_k: as
-        :func:`generate`; ``P + max_new_tokens - 1`` must fit the model's context.
+      params, prompt, prompt_lengths, max_new_tokens, key, temperature, top_k, eos_id,
+        pad_id, return_lengths: as :func:`generate`; ``P + max_new_tokens - 1`` must fit the
+        model's context.
 
     Returns:
-      int32 ``[B, max_new_tokens]``, the same tokens :func:`generate` gives for a model
-      whose cached and uncached logits agree.
+      as :func:`generate`: the same tokens it gives for a model whose cached and uncached
+      logits agree.
     """
     _check_model_fn(forward_fn, "forward_fn")
     temperature, top_k = _check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
-    return _generate_recompute(
+    eos_ids, pad_id = check_stop(eos_id, pad_id)
+    _checks.flag(return_lengths, "return_lengths")
+    tokens = _generate_recompute(
         forward_fn,
         params,
         prompt,
@@ -342,6 +516,8 @@ def generate_recompute(
         temperature=temperature,
         top_k=top_k,
     )
+    tokens, ends = stop_at_eos(tokens, eos_ids, pad_id)
+    return (tokens, ends) if return_lengths else tokens
 
 
 # ----------------------------------------------------------------------------------------

@@ -593,6 +593,7 @@ class MultiHeadAttention(_DropoutAttention):
         sow_weights: bool = False,
         num_new=None,
         positions=None,
+        segment_ids=None,
     ):
         """Multi-head causal self-attention of ``x [batch..., T, d_in]``, ``T <= context_length``.
 
@@ -608,6 +609,10 @@ class MultiHeadAttention(_DropoutAttention):
             ``x`` (the rest is right padding); default all ``T``.
           positions: with ``rope`` only: int ``[batch..., T]`` (broadcastable) positions of
             the tokens; default ``0 ... T-1``, in decode mode each row's cache length onward.
+            For packed rows, each token's position in its document (``jattn.pack``).
+          segment_ids: int ``[batch..., T]`` (broadcastable): the document of each token of
+            packed rows (``jattn.pack(...).segment_ids``); a token attends only its own
+            document. Not in decode mode.
 
         Returns:
           ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
@@ -629,6 +634,7 @@ class MultiHeadAttention(_DropoutAttention):
             heads=heads,
             qk_norms=self._qk_norms(heads),
             positions=positions,
+            segment_ids=segment_ids,
             num_new=num_new,
             mask=mask,
             deterministic=deterministic,

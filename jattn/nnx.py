@@ -739,6 +739,7 @@ class MultiHeadAttention(_DropoutAttention):
         mask=None,
         *,
         positions=None,
+        segment_ids=None,
         deterministic: bool | None = None,
         rngs: RngsArg = None,
         return_weights: bool = False,
@@ -754,6 +755,10 @@ class MultiHeadAttention(_DropoutAttention):
             (e.g. :func:`jattn.masks.padding_mask`); ANDed with the causal mask.
           positions: with ``rope`` only: int ``[batch..., T]`` (broadcastable) positions of
             the tokens; default ``0 ... T-1``, with ``decode`` each row's cache length onward.
+            For packed rows, each token's position in its document (``jattn.pack``).
+          segment_ids: int ``[batch..., T]`` (broadcastable): the document of each token of
+            packed rows (``jattn.pack(...).segment_ids``); a token attends only its own
+            document. Not with ``decode``.
           deterministic: True for inference (no dropout); overrides the attribute.
           rngs: dropout key source for this call (overrides the stored stream).
           return_weights: also return the pre-dropout weights ``[batch..., num_heads, T, T]``.
@@ -782,6 +787,7 @@ class MultiHeadAttention(_DropoutAttention):
             heads=heads,
             qk_norms=None if self.q_norm is None else (self.q_norm, self.k_norm),
             positions=positions,
+            segment_ids=segment_ids,
             mask=mask,
             deterministic=deterministic,
             dropout_rng=dropout_rng,

@@ -143,7 +143,9 @@ def test_blocks_importing_references_declare_them():
         path, line, source, markers = case.values
         needed = set(OPTIONAL_IMPORT.findall(source))
         missing = needed - set(markers.get("requires", ()))
-        assert not missing, f"{path}:{line} imports {sorted(missing)}: add <!-- docs-test: requires ... -->"
+        assert not missing, (
+            f"{path}:{line} imports {sorted(missing)}: add <!-- docs-test: requires ... -->"
+        )
 
 
 def test_fences_closed():
@@ -163,6 +165,7 @@ def test_fences_closed():
 
 API_PAGES = {
     "jattn": "jattn",
+    "jattn.packing": "jattn",
     "jattn.masks": "masks",
     "jattn.mods": "mods",
     "jattn.block_masks": "block_masks",

@@ -17,11 +17,15 @@ logits ``[batch..., T, vocab_size]`` from ``model(token_ids)``, and decodes with
 * :func:`generate_many` ``(model, prompts, max_new_tokens, slots=, eos_id=)`` serves many
   prompts of different lengths by continuous batching over a paged KV cache
   (:mod:`jattn.models.serving`, :mod:`jattn.paged`).
+  rolling caches (sliding-window attention), so Llama 3 / Qwen3 can run past the context;
+  ``eos_id=`` stops rows at a stop token; :func:`generate_stream` yields tokens as they come.
+* ``model(tokens, segment_ids=, positions=)`` trains on packed rows (:func:`jattn.pack`):
+  no attention across documents, positions restarting per document.
 """
 
 from jattn.models.base import LanguageModel
 from jattn.models.configs import GPTConfig, Llama3Config, Qwen3Config, config_from_book
-from jattn.models.generation import generate
+from jattn.models.generation import generate, generate_stream
 from jattn.models.gpt2 import GPTModel
 from jattn.models.llama3 import Llama3Model
 from jattn.models.qwen3 import Qwen3Model
@@ -43,5 +47,6 @@ __all__ = [
     "from_book",
     "generate",
     "generate_many",
+    "generate_stream",
     "to_book_state_dict",
 ]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jattn import rope
+from jattn import packing, rope
 
 __all__ = ["LanguageModel"]
 
@@ -78,6 +78,64 @@ class LanguageModel(nnx.Module):
                     f"values from {lo} to {hi}."
                 )
         return token_ids
+
+    def packed_layout(self, token_ids: Array, segment_ids, positions, decode: bool):
+        """Validates a call's ``segment_ids`` and ``positions``; returns them as arrays.
+
+        ``positions`` default: with ``segment_ids``, each token's position in its document
+        (:func:`jattn.positions_from_segment_ids`), else ``0 ... T-1``; in decode mode
+        neither may be given (positions follow the cache). Both come back broadcast to
+        ``token_ids.shape`` (``segment_ids`` None when not given).
+
+        Raises:
+          TypeError: non-integer ids or positions.
+          ValueError: shapes that do not broadcast to ``token_ids``; with decode; (when
+            concrete) negative positions, or GPT-2 positions past ``context_length - 1``.
+        """
+        name, shape = type(self).__name__, token_ids.shape
+        if decode:
+            if segment_ids is not None or positions is not None:
+                raise ValueError(
+                    f"{name}: segment_ids and positions are for full-sequence calls (training, "
+                    "scoring packed rows); with decode=True positions follow each row's KV "
+                    "cache and a row holds one sequence."
+                )
+            return None, None
+        checked = []
+        for arg, value in (("segment_ids", segment_ids), ("positions", positions)):
+            if value is None:
+                checked.append(None)
+                continue
+            value = jnp.asarray(value)
+            if not jnp.issubdtype(value.dtype, jnp.integer):
+                raise TypeError(f"{name}: {arg} must hold integers, got dtype {value.dtype}.")
+            try:
+                ok = value.ndim >= 1 and jnp.broadcast_shapes(value.shape, shape) == shape
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"{name}: {arg} must be int [batch..., T] broadcastable to token_ids' shape "
+                    f"{shape} (one per token, e.g. from jattn.pack), got shape {value.shape}."
+                )
+            checked.append(jnp.broadcast_to(value, shape).astype(jnp.int32))
+        segment_ids, positions = checked
+        if positions is None:
+            positions = (
+                jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
+                if segment_ids is None
+                else packing.positions_from_segment_ids(segment_ids)
+            )
+        elif not isinstance(positions, jax.core.Tracer):
+            lo, hi = int(np.min(positions)), int(np.max(positions))
+            top = self.cfg.context_length - 1 if self.positions_limited else None
+            if lo < 0 or (top is not None and hi > top):
+                raise ValueError(
+                    f"{name}: positions must be in [0, {top if top is not None else 'inf'}]"
+                    + (" (the rows of pos_emb)" if top is not None else "")
+                    + f", got values from {lo} to {hi}."
+                )
+        return segment_ids, positions
 
     def dropout_mode(self, deterministic: bool | None, rngs: RngsArg, rate: float):
         """``(deterministic, rngs)`` for this call.

@@ -79,9 +79,18 @@ class DecoderBlock(nnx.Module):
         self.norm1 = nnx.RMSNorm(cfg.emb_dim, **norm)
         self.norm2 = nnx.RMSNorm(cfg.emb_dim, **norm)
 
-    def __call__(self, x: Array, *, decode: bool, num_new) -> Array:
+    def __call__(
+        self, x: Array, *, decode: bool, num_new, segment_ids=None, positions=None
+    ) -> Array:
         """``x [batch..., T, emb_dim]`` -> ``[batch..., T, emb_dim]``."""
-        x = self.att(self.norm1(x), decode=decode, num_new=num_new) + x
+        h = self.att(
+            self.norm1(x),
+            decode=decode,
+            num_new=num_new,
+            segment_ids=segment_ids,
+            positions=positions,
+        )
+        x = h + x
         return self.ff(self.norm2(x)) + x
 
 
@@ -144,11 +153,19 @@ class RopeDecoder(LanguageModel):
         rngs: RngsArg = None,
         decode: bool = False,
         num_new=None,
+        segment_ids=None,
+        positions=None,
     ) -> Array:
         """Logits of every position.
 
         Args:
           token_ids: int ``[batch..., T]``, ``T <= context_length``, ids in ``[0, vocab_size)``.
+          segment_ids: int ``[batch..., T]`` (broadcastable) for packed rows
+            (:func:`jattn.pack`): the document of each token; a token attends only tokens
+            of its own document. Not with ``decode``.
+          positions: int ``[batch..., T]`` (broadcastable) RoPE positions, >= 0; default
+            ``0 ... T-1``, with ``segment_ids`` each token's position in its document (RoPE
+            restarts per document). Not with ``decode``.
           deterministic, rngs: accepted so that every jattn model takes the same call; these
             models have no dropout.
           decode: run through the KV cache made by :meth:`init_cache` (positions continue
@@ -161,11 +178,14 @@ class RopeDecoder(LanguageModel):
         """
         del deterministic, rngs  # no dropout in Llama 3 / Qwen3
         token_ids = self.check_token_ids(token_ids)
+        segment_ids, positions = self.packed_layout(token_ids, segment_ids, positions, decode)
         if decode:
             self.cache_lengths()  # a clear error when there is no cache
         # [batch..., T, emb_dim]
         x = self.tok_emb(token_ids)
         for block in self.trf_blocks:
-            x = block(x, decode=decode, num_new=num_new)
+            x = block(
+                x, decode=decode, num_new=num_new, segment_ids=segment_ids, positions=positions
+            )
         # [batch..., T, vocab_size]
         return self.out_head(self.final_norm(x))

@@ -62,12 +62,24 @@ class TransformerBlock(nnx.Module):
         self.drop_resid = nnx.Dropout(cfg.drop_rate, deterministic=None, rngs=rngs)
 
     def __call__(
-        self, x: Array, *, deterministic: bool, rngs: RngsArg, decode: bool, num_new
+        self,
+        x: Array,
+        *,
+        deterministic: bool,
+        rngs: RngsArg,
+        decode: bool,
+        num_new,
+        segment_ids=None,
     ) -> Array:
         """``x [batch..., T, emb_dim]`` -> ``[batch..., T, emb_dim]``."""
         shortcut = x
         x = self.att(
-            self.norm1(x), deterministic=deterministic, rngs=rngs, decode=decode, num_new=num_new
+            self.norm1(x),
+            deterministic=deterministic,
+            rngs=rngs,
+            decode=decode,
+            num_new=num_new,
+            segment_ids=segment_ids,
         )
         x = self.drop_resid(x, deterministic=deterministic, rngs=rngs) + shortcut
         shortcut = x
@@ -133,11 +145,20 @@ class GPTModel(LanguageModel):
         rngs: RngsArg = None,
         decode: bool = False,
         num_new=None,
+        segment_ids=None,
+        positions=None,
     ) -> Array:
         """Logits of every position.
 
         Args:
           token_ids: int ``[batch..., T]``, ``T <= context_length``, ids in ``[0, vocab_size)``.
+          segment_ids: int ``[batch..., T]`` (broadcastable) for packed rows
+            (:func:`jattn.pack`): the document of each token; a token attends only tokens
+            of its own document. Not with ``decode``.
+          positions: int ``[batch..., T]`` (broadcastable), the rows of ``pos_emb`` each
+            token reads, in ``[0, context_length)``; default ``0 ... T-1``, with
+            ``segment_ids`` each token's position in its document (so positions restart
+            per document). Not with ``decode``.
           deterministic: True for inference (no dropout); overrides the attribute.
           rngs: dropout keys for this call (an ``nnx.Rngs``, a stream or a key); default the
             streams kept at construction.
@@ -151,15 +172,20 @@ class GPTModel(LanguageModel):
         """
         token_ids = self.check_token_ids(token_ids)
         deterministic, rngs = self.dropout_mode(deterministic, rngs, self.cfg.drop_rate)
-        num_tokens = token_ids.shape[-1]
+        segment_ids, positions = self.packed_layout(token_ids, segment_ids, positions, decode)
         if decode:
-            positions = self.decode_positions(num_tokens)  # [batch..., T]
-        else:
-            positions = jnp.broadcast_to(jnp.arange(num_tokens), token_ids.shape)
+            positions = self.decode_positions(token_ids.shape[-1])  # [batch..., T]
         # [batch..., T, emb_dim]
         x = self.tok_emb(token_ids) + self.pos_emb(positions)
         x = self.drop_emb(x, deterministic=deterministic, rngs=rngs)
         for block in self.trf_blocks:
-            x = block(x, deterministic=deterministic, rngs=rngs, decode=decode, num_new=num_new)
+            x = block(
+                x,
+                deterministic=deterministic,
+                rngs=rngs,
+                decode=decode,
+                num_new=num_new,
+                segment_ids=segment_ids,
+            )
         # [batch..., T, vocab_size]
         return self.out_head(self.final_norm(x))
