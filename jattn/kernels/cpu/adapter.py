@@ -1,0 +1,144 @@
+"""jattn's fused CPU attention kernel (``implementation='cpu_fused'``) behind the adapter contract.
+
+What runs fused (float32 arithmetic; float32, bfloat16 and float16 inputs are cast to
+float32 and the output cast back): plain and causal attention (``is_causal``, aligned
+top-left as jattn's), local windows ``(left, right)`` (``right`` may be None), query and
+key lengths, segment ids (one array or separate query/key ids), grouped- and multi-query
+attention without repeating K/V, any leading batch dims, any head sizes (``Dv`` may differ
+from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` score_mod,
+and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
+skipped; rows that attend nothing give zero output, zero gradients and
+:func:`jattn.large_negative` as their lse, as every jattn path.
+
+Refused (routing falls back to the blockwise or dense path): mask and bias arrays,
+dropout, any other ``score_mod``/``mask_mod`` callable, a ``block_mask``, float64, a
+traced scale, an explicit matmul precision, the weight matrix. ``JATTN_CPU_THREADS=n``
+caps the kernel's workers (default: XLA's whole intra-op pool).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from jattn import mods
+from jattn.kernels import KernelQuery
+from jattn.kernels.cpu import _library, _ops
+
+__all__ = [
+    "LSE_HAS_GRADIENT",
+    "NAME",
+    "RETURNS_LSE",
+    "THREADS_ENV",
+    "attention",
+    "available",
+    "obstacle",
+    "status",
+]
+
+NAME = "cpu_fused"
+RETURNS_LSE = True
+LSE_HAS_GRADIENT = True
+THREADS_ENV = "JATTN_CPU_THREADS"
+_DTYPES = ("float32", "bfloat16", "float16")
+# Tile sizes (query rows, keys). The key tile is rounded up to the micro-kernel's width.
+BLOCK_Q = 64
+BLOCK_K = 128
+
+status = _library.status
+
+
+def available(platform: str) -> bool:
+    """True on CPU when the kernel library was built and loads."""
+    return platform == "cpu" and _library.library() is not None
+
+
+def obstacle(query: KernelQuery) -> str | None:
+    """Why the fused CPU kernel cannot honour the call (None: it can)."""
+    if query.platform != "cpu":
+        return f"it runs on CPU only (platform: {query.platform})"
+    if _library.library() is None:
+        return _library.status()
+    if query.needs_dense is not None:
+        return query.needs_dense
+    for flag, what in (
+        (query.has_mask, "a mask array (cpu_fused builds causal, window, lengths, segments)"),
+        (query.has_bias, "a bias array (not in cpu_fused yet)"),
+        (query.dropout, "dropout (not in cpu_fused yet)"),
+        (query.block_mask, "a block_mask (not in cpu_fused yet)"),
+        (query.mask_mod is not None, "a mask_mod callable (it cannot enter C++)"),
+        (query.traced_scale, "a traced scale (cpu_fused compiles the scale in)"),
+        (not query.default_precision, "an explicit matmul precision (cpu_fused computes fp32)"),
+    ):
+        if flag:
+            return what
+    if query.score_mod is not None and mods.native_softcap(query.score_mod) is None:
+        return "a score_mod other than a bare jattn.mods.softcap (it cannot enter C++)"
+    name = jnp.dtype(query.dtype).name
+    if name not in _DTYPES:
+        return f"dtype {name} (cpu_fused computes in float32 from {', '.join(_DTYPES)})"
+    return None
+
+
+def _threads() -> int:
+    value = os.environ.get(THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def _aux(q, k, ops) -> _ops.Aux:
+    """Every per-batch operand broadcast to the call's batch dims (see :mod:`._ops`)."""
+    batch = q.shape[:-3]
+    tq, h, tk = q.shape[-3], q.shape[-2], k.shape[-3]
+
+    def lengths(x, full):
+        x = jnp.full((), full, jnp.int32) if x is None else x.astype(jnp.int32)
+        return jnp.broadcast_to(x, batch)
+
+    def ids(x, length):
+        if x is None:
+            return jnp.zeros((*batch, 1), jnp.int32)
+        return jnp.broadcast_to(x.astype(jnp.int32), (*batch, length))
+
+    sinks = ops.sinks
+    sinks = jnp.zeros((*batch, 1), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    return _ops.Aux(
+        q_len=lengths(ops.q_lengths, tq),
+        kv_len=lengths(ops.kv_lengths, tk),
+        q_seg=ids(ops.q_segments, tq),
+        kv_seg=ids(ops.kv_segments, tk),
+        sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
+    )
+
+
+def attention(q, k, v, ops, settings, *, interpret: bool):
+    """The fused kernel with jattn's semantics (what it takes: module docstring).
+
+    Args:
+      q: ``[batch..., Tq, H, D]``; k: ``[batch..., Tk, K, D]``; v: ``[batch..., Tk, K, Dv]``
+        (``H % K == 0``), float32, bfloat16 or float16.
+      ops, settings: the validated call (:mod:`jattn._call`); see :func:`obstacle` for
+        what it may hold.
+      interpret: unused (a native kernel).
+
+    Returns:
+      ``(out [batch..., Tq, H, Dv]`` in q's dtype, ``lse [batch..., H, Tq]`` float32).
+    """
+    del interpret
+    left, right = settings.window if settings.window is not None else (-1, -1)
+    cap = mods.native_softcap(settings.score_mod)
+    static = _ops.Static(
+        scale=float(ops.scale),
+        softcap=0.0 if cap is None else float(cap),
+        causal=bool(settings.is_causal),
+        window_left=int(left),
+        window_right=-1 if right is None else int(right),
+        has_segments=ops.q_segments is not None,
+        has_sinks=ops.sinks is not None,
+        block_q=BLOCK_Q,
+        block_k=BLOCK_K,
+        max_threads=_threads(),
+    )
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = _ops.attention(*f32, _aux(q, k, ops), static)
+    return out.astype(q.dtype), lse

@@ -1,0 +1,63 @@
+// jattn's fused CPU attention: what the FFI handlers (ffi.cc) and the per-ISA kernels share.
+//
+// Layouts (row-major, batch dims flattened to B by the handlers):
+//   q [B, Tq, H, D], k [B, Tk, K, D], v [B, Tk, K, Dv], out [B, Tq, H, Dv], lse [B, H, Tq];
+//   q_len, kv_len int32 [B]; q_seg int32 [B, Tq], kv_seg int32 [B, Tk]; sinks float [B, H].
+// Query i of batch b sees key j iff i < q_len[b], j < kv_len[b], (not causal or j <= i),
+// (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr) and (no segments or q_seg[i] == kv_seg[j]).
+#ifndef JATTN_KERNELS_CPU_ATTENTION_H_
+#define JATTN_KERNELS_CPU_ATTENTION_H_
+
+#include <cstdint>
+
+namespace jattn {
+
+struct Params {
+  int64_t B, Tq, Tk, H, K, D, Dv;
+  float scale;
+  float softcap;  // 0: none; else logits become softcap * tanh(logits / softcap)
+  bool causal;
+  int64_t wl, wr;  // window left / right; -1: unlimited
+  bool has_seg, has_sinks;
+  int64_t bq, bk;  // tile sizes (bk a multiple of the ISA's micro-kernel width)
+};
+
+struct Tensors {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int32_t* q_len = nullptr;
+  const int32_t* kv_len = nullptr;
+  const int32_t* q_seg = nullptr;
+  const int32_t* kv_seg = nullptr;
+  const float* sinks = nullptr;
+  // forward outputs
+  float* out = nullptr;
+  float* lse = nullptr;
+  // backward inputs (lse above is then an input) and outputs
+  const float* dout = nullptr;
+  const float* delta = nullptr;  // [B, H, Tq]: rowsum(dout * out) - (lse cotangent)
+  float* dq = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+};
+
+// One instruction set's kernels. Each work item is independent and computed in a fixed
+// order, so results do not depend on the number of threads or on scheduling.
+struct Isa {
+  const char* name;
+  int64_t nr;                                   // micro-kernel width: bk's multiple
+  int64_t (*scratch_floats)(const Params&);     // per-thread scratch size
+  void (*forward_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*backward_kv_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*backward_q_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+};
+
+// The kernels of each build (attention_<isa>.cc); avx512 and avx2 are null off x86-64.
+const Isa* isa_generic();
+const Isa* isa_avx2();
+const Isa* isa_avx512();
+
+}  // namespace jattn
+
+#endif  // JATTN_KERNELS_CPU_ATTENTION_H_
