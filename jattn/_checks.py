@@ -24,7 +24,7 @@ import numpy as np
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash")
+IMPLEMENTATIONS = ("dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash", "cpu_fused")
 """The names ``implementation=`` accepts (None: automatic). ``'xla'`` is jax.nn's name for
 the dense path."""
 

@@ -40,6 +40,9 @@ AUTO_DENSE_MAX_SCORES = 4096 * 4096
 # Splash pads both lengths to a multiple of 128 (the TPU lane width): a shorter query
 # block is mostly padding, and XLA's dense path is as good there.
 SPLASH_MIN_Q_LEN = 128
+# The fused CPU kernel (jattn.kernels.cpu) from this many logits per (batch, head) on
+# (q_len * kv_len): below it XLA's dense path measured as fast (benchmarks/results.md).
+CPU_FUSED_MIN_SCORES = 64 * 64
 
 
 class Route(NamedTuple):
@@ -249,10 +252,96 @@ def _lse_with_gradient(attend, query, key, lse, scale) -> Array:
     return sg(lse) + (f - sg(f))
 
 
+# ----------------------------------------------------------------------------------------
+# Kernels behind the adapter contract (jattn.kernels.Kernel): one KernelQuery per call
+# ----------------------------------------------------------------------------------------
+
+# The adapters routed through kernel_query (the others still take keyword flags).
+CONTRACT_KERNELS = ("cpu_fused",)
+
+
+def kernel_query(
+    query, key, value, ops: Operands, settings: Settings, extras: DenseExtras, *, platform: str,
+    interpret: bool,
+) -> kernels.KernelQuery:  # fmt: skip
+    """The static facts of one call that a kernel adapter's ``obstacle`` reads."""
+    return kernels.KernelQuery(
+        platform=platform,
+        interpret=interpret,
+        q_shape=tuple(query.shape),
+        kv_shape=tuple(key.shape),
+        v_head_dim=value.shape[-1],
+        dtype=query.dtype,
+        is_causal=settings.is_causal,
+        window=settings.window,
+        has_mask=ops.mask is not None,
+        has_bias=ops.bias is not None,
+        has_lengths=ops.q_lengths is not None or ops.kv_lengths is not None,
+        has_segments=ops.q_segments is not None,
+        separate_kv_segments=ops.kv_segments is not ops.q_segments,
+        dropout=ops.dropout_rng is not None and not _static_zero(ops.dropout_rate),
+        return_weights=extras.return_weights or extras.module is not None,
+        return_residual=settings.return_residual,
+        score_mod=settings.score_mod,
+        mask_mod=settings.mask_mod,
+        sinks=ops.sinks is not None,
+        block_mask=ops.block_mask is not None,
+        traced_scale=isinstance(ops.scale, jax.core.Tracer),
+        default_precision=_default_precision(settings.precision),
+        needs_dense=extras.needed(),
+    )
+
+
+def _static_zero(rate) -> bool:
+    return isinstance(rate, numbers.Real) and float(rate) == 0.0
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def _contract_obstacle(name: str):
+    def obstacle(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras):
+        module = kernels.adapter(name)
+        interpret = _interpret(module)
+        call = kernel_query(
+            query, key, value, ops, settings, extras, platform=_platform(), interpret=interpret
+        )
+        reason = module.obstacle(call)
+        if reason is None:
+            reason = _custom_vjp_obstacle(query, key, value)  # every kernel has a custom VJP
+        if reason is None and settings.return_residual and not module.RETURNS_LSE:
+            reason = f"return_residual=True ({name} does not return its log-sum-exp)"
+        return reason
+
+    return obstacle
+
+
+def _contract_run(name: str):
+    def run(query, key, value, ops: Operands, settings: Settings, extras):
+        module = kernels.adapter(name)
+        out, lse = module.attention(query, key, value, ops, settings, interpret=_interpret(module))
+        if not settings.return_residual:
+            return out, None, None
+        if not module.LSE_HAS_GRADIENT:
+            lse = _lse_with_gradient(
+                lambda q, k, v: module.attention(q, k, v, ops, settings, interpret=False),
+                query, key, lse, ops.scale,
+            )  # fmt: skip
+        return out, None, jnp.swapaxes(lse, -1, -2)  # [batch..., H, Tq] -> [batch..., Tq, H]
+
+    return run
+
+
 ROUTES: dict[str, Route] = {
     "dense": Route(lambda *args: None, _dense_run),
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
-    **{name: Route(_kernel_obstacle(name), _kernel_run(name)) for name in kernels.KERNELS},
+    **{
+        name: Route(_kernel_obstacle(name), _kernel_run(name))
+        for name in kernels.KERNELS
+        if name not in CONTRACT_KERNELS
+    },
+    **{name: Route(_contract_obstacle(name), _contract_run(name)) for name in CONTRACT_KERNELS},
 }
 ALIASES = {"xla": "dense"}  # jax.nn's names
 
@@ -273,8 +362,12 @@ def _splash_pays(query, key, backend: str) -> bool:
     return query.shape[-3] >= SPLASH_MIN_Q_LEN
 
 
+def _cpu_fused_pays(query, key, backend: str) -> bool:
+    return query.shape[-3] * key.shape[-3] >= CPU_FUSED_MIN_SCORES
+
+
 # When a candidate pays off at the call's lengths (no entry: always).
-PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
+PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays, "cpu_fused": _cpu_fused_pays}
 
 # The automatic rule: per backend, the candidates in order; the first that pays off and
 # can honour the call wins. The kernels come first wherever they take the call, and jattn's
@@ -284,11 +377,13 @@ PAYS = {"blockwise": _blockwise_pays, "splash": _splash_pays}
 #   jax's own GPU tests skip its backward on compute capability >= 8.0 for precision
 #   issues and jax 0.12 deprecates it, so it runs only when asked for by name.
 # * tpu: splash, from SPLASH_MIN_Q_LEN queries on.
-# * cpu (and any other backend): jattn's own paths; never a kernel in interpret mode.
+# * cpu (and any other backend): jattn's fused CPU kernel where it was built and takes the
+#   call, from CPU_FUSED_MIN_SCORES logits per (batch, head) on; then jattn's own paths;
+#   never a kernel in interpret mode.
 AUTO: dict[str, tuple[str, ...]] = {
     "gpu": ("cudnn", "blockwise", "dense"),
     "tpu": ("splash", "blockwise", "dense"),
-    "cpu": ("blockwise", "dense"),
+    "cpu": ("cpu_fused", "blockwise", "dense"),
 }
 
 

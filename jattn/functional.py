@@ -34,7 +34,9 @@ __all__ = [
 
 Array = jax.Array
 BroadcastDropout = bool | Literal["batch", "heads"]
-Implementation = Literal["dense", "xla", "blockwise", "cudnn", "pallas_triton", "splash"]
+Implementation = Literal[
+    "dense", "xla", "blockwise", "cudnn", "pallas_triton", "splash", "cpu_fused"
+]
 
 
 def _dropout_active(rate, deterministic: bool) -> bool:

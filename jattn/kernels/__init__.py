@@ -25,7 +25,10 @@ The kernels:
 * :mod:`jattn.kernels.pallas_triton`: the Pallas GPU (Triton) flash attention,
   ``jax.experimental.pallas.ops.gpu.attention.mha`` (GPUs; CPU in interpret mode);
 * :mod:`jattn.kernels.splash`: Pallas splash attention,
-  ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPUs; CPU in interpret mode).
+  ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPUs; CPU in interpret mode);
+* :mod:`jattn.kernels.cpu.adapter`: jattn's own fused CPU kernel (C++ through XLA's FFI,
+  ``implementation='cpu_fused'``); ``jattn.kernels.cpu.status()`` says whether it was
+  built and loads, or why not.
 
 No module here imports a kernel at import time: jax's kernel modules load on first use
 (the Pallas GPU module warns of its deprecation on import from jax 0.12 on).
@@ -129,7 +132,7 @@ class Kernel(Protocol):
     def attention(self, q, k, v, ops, settings, *, interpret: bool) -> tuple[Any, Any]: ...
 
 # The implementation names the adapters serve, as `implementation=` spells them.
-KERNELS = ("cudnn", "pallas_triton", "splash")
+KERNELS = ("cudnn", "pallas_triton", "splash", "cpu_fused")
 
 # Set to 1 to run the Pallas kernels ('splash', 'pallas_triton') in interpret mode on CPU.
 INTERPRET_ENV = "JATTN_PALLAS_INTERPRET"
@@ -153,6 +156,8 @@ def adapter(name: str):
         from jattn.kernels import pallas_triton as module
     elif name == "splash":
         from jattn.kernels import splash as module
+    elif name == "cpu_fused":
+        from jattn.kernels.cpu import adapter as module
     else:
         raise ValueError(f"no kernel adapter named {name!r}; expected one of {KERNELS}.")
     return module

@@ -82,6 +82,20 @@ class Static:
         return attrs
 
 
+def transposed(x: Array, block: int) -> Array:
+    """``[batch..., Tk, K, E] -> [batch..., K, E, Tkp]``, zero-padded to a multiple of ``block``.
+
+    The kernel's products against keys read K^T (and the backward's V^T) tiles from this
+    one transposed copy instead of transposing every tile.
+    """
+    tk = x.shape[-3]
+    x = jnp.moveaxis(x, -3, -1)
+    pad = -tk % block
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x
+
+
 def _forward_call(q, k, v, aux: Aux, static: Static):
     if _library.library() is None:  # the adapter refuses first; this is a safety net
         raise RuntimeError(f"jattn's fused CPU kernel is {_library.status()}")
@@ -92,7 +106,8 @@ def _forward_call(q, k, v, aux: Aux, static: Static):
         jax.ShapeDtypeStruct((*batch, h, tq), jnp.float32),
     )
     call = jax.ffi.ffi_call(_library.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, *aux, **static.attributes(backward=False))
+    kt = transposed(k, static.block_k)
+    return call(q, k, v, kt, *aux, **static.attributes(backward=False))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -118,8 +133,9 @@ def _attention_bwd(static: Static, residuals, cotangents):
         jax.ShapeDtypeStruct(v.shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
     dq, dk, dv = call(
-        q, k, v, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
+        q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
         **static.attributes(backward=True),
     )  # fmt: skip
     d_sinks = jnp.zeros_like(aux.sinks)

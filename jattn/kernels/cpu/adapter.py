@@ -42,8 +42,9 @@ RETURNS_LSE = True
 LSE_HAS_GRADIENT = True
 THREADS_ENV = "JATTN_CPU_THREADS"
 _DTYPES = ("float32", "bfloat16", "float16")
-# Tile sizes (query rows, keys). The key tile is rounded up to the micro-kernel's width.
-BLOCK_Q = 64
+# Tile sizes: query rows (0: the kernel's choice, 8 micro-kernel rows: 96 with AVX-512,
+# 48 otherwise) and keys (a multiple of every build's micro-kernel width, 32).
+BLOCK_Q = 0
 BLOCK_K = 128
 
 status = _library.status

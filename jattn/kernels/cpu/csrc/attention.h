@@ -2,6 +2,7 @@
 //
 // Layouts (row-major, batch dims flattened to B by the handlers):
 //   q [B, Tq, H, D], k [B, Tk, K, D], v [B, Tk, K, Dv], out [B, Tq, H, Dv], lse [B, H, Tq];
+//   kt [B, K, D, Tkp], vt [B, K, Dv, Tkp] (k, v transposed and zero-padded to Tkp keys);
 //   q_len, kv_len int32 [B]; q_seg int32 [B, Tq], kv_seg int32 [B, Tk]; sinks float [B, H].
 // Query i of batch b sees key j iff i < q_len[b], j < kv_len[b], (not causal or j <= i),
 // (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr) and (no segments or q_seg[i] == kv_seg[j]).
@@ -14,6 +15,7 @@ namespace jattn {
 
 struct Params {
   int64_t B, Tq, Tk, H, K, D, Dv;
+  int64_t Tkp;  // Tk padded to a multiple of bk: the row length of kt and vt
   float scale;
   float softcap;  // 0: none; else logits become softcap * tanh(logits / softcap)
   bool causal;
@@ -26,6 +28,8 @@ struct Tensors {
   const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
+  const float* kt = nullptr;  // [B, K, D, Tkp]: the keys transposed (XLA did it), zero-padded
+  const float* vt = nullptr;  // [B, K, Dv, Tkp]: the values transposed (backward only)
   const int32_t* q_len = nullptr;
   const int32_t* kv_len = nullptr;
   const int32_t* q_seg = nullptr;
@@ -47,6 +51,7 @@ struct Tensors {
 struct Isa {
   const char* name;
   int64_t nr;                                   // micro-kernel width: bk's multiple
+  int64_t mr;                                   // micro-kernel rows
   int64_t (*scratch_floats)(const Params&);     // per-thread scratch size
   void (*forward_item)(const Params&, const Tensors&, int64_t item, float* scratch);
   void (*backward_kv_item)(const Params&, const Tensors&, int64_t item, float* scratch);

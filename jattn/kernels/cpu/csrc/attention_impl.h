@@ -6,8 +6,8 @@
 //   JATTN_MR   micro-kernel rows (accumulators: 2 * JATTN_MR vectors)
 //
 // FlashAttention-2 structure. Forward, one item per (batch, head, query block): for each key
-// block that the masks leave visible, S = Q K^T (a register-blocked micro-kernel against a
-// transposed copy of the key tile), then one pass per row fusing scale, soft-capping, the
+// block that the masks leave visible, S = Q K^T (a register-blocked micro-kernel against
+// the keys XLA transposed once per call), then one pass per row fusing scale, soft-capping, the
 // mask, the running max, a polynomial exp and the running sum, then O += P V. Backward, two
 // passes that each write their own outputs (no atomics, no reductions across threads):
 // per (batch, kv head, key block) dK and dV over every query block of the heads sharing the
@@ -143,16 +143,6 @@ void gemm(int64_t m, int64_t n, int64_t kc, const float* a, int64_t a_rs, int64_
       for (int64_t p = 0; p < kc; ++p) s += a[i * a_rs + p * a_cs] * b[p * b_rs + j];
       c[i * c_rs + j] = acc ? c[i * c_rs + j] + s : s;
     }
-}
-
-// dst[d, j] = src[j, d] for j < rows (src row stride src_rs), zero for rows <= j < cols.
-void pack_transposed(const float* src, int64_t src_rs, int64_t rows, int64_t cols, int64_t depth,
-                     float* dst, int64_t dst_rs) {
-  for (int64_t d = 0; d < depth; ++d) {
-    float* out = dst + d * dst_rs;
-    for (int64_t j = 0; j < rows; ++j) out[j] = src[j * src_rs + d];
-    for (int64_t j = rows; j < cols; ++j) out[j] = 0.f;
-  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -307,9 +297,7 @@ inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask&
   *m = m_new;
 }
 
-int64_t forward_scratch(const Params& p) {
-  return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.D * p.bk + p.bk;
-}
+int64_t forward_scratch(const Params& p) { return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.bk; }
 
 void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
   const Blocks nb = blocks(p);
@@ -323,8 +311,7 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
   float* m = o + p.bq * p.Dv;     // [bq]
   float* l = m + p.bq;            // [bq]
   float* s = l + p.bq;            // [bq, bk]
-  float* kt = s + p.bq * p.bk;    // [D, bk]
-  int32_t* kseg = reinterpret_cast<int32_t*>(kt + p.D * p.bk);  // [bk]
+  int32_t* kseg = reinterpret_cast<int32_t*>(s + p.bq * p.bk);  // [bk]
   std::fill(o, o + nq * p.Dv, 0.f);
   for (int64_t r = 0; r < nq; ++r) {
     // A sink is one more logit in the row's softmax: the running max starts there.
@@ -332,17 +319,16 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
     l[r] = p.has_sinks ? 1.f : 0.f;
   }
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
-  const int64_t q_rs = p.H * p.D, kv_rs = p.K * p.D, v_rs = p.K * p.Dv;
+  const int64_t q_rs = p.H * p.D, v_rs = p.K * p.Dv;
+  const float* kt_head = t.kt + (b * p.K + kh) * p.D * p.Tkp;
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
     const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
-    const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
     const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
-    pack_transposed(kp, kv_rs, nk, ncols, p.D, kt, p.bk);
     copy_kv_segments(p, bt, j0, nk, ncols, kseg);
-    gemm(nq, ncols, p.D, qp, q_rs, 1, kt, p.bk, s, p.bk, false);
+    gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
     for (int64_t r = 0; r < nq; ++r) {
       const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
       softmax_row(p, s + r * p.bk, ncols, rm, kseg, m + r, l + r, o + r * p.Dv, p.Dv);
@@ -386,7 +372,8 @@ inline void dlogits_row(const Params& p, const float* prob, float* dp, int64_t n
 }
 
 struct BackwardTile {  // the scratch of one (query block, key block) tile
-  float *kt, *vt, *s, *dp, *th;
+  const float *kt, *vt;  // the key block's K^T [D, Tkp] and V^T [Dv, Tkp], at column j0
+  float *s, *dp, *th;
   int32_t* kseg;
 };
 
@@ -396,8 +383,8 @@ void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const Bac
                    int64_t nk, int64_t ncols) {
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
   const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
-  gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.bk, w.s, p.bk, false);
-  gemm(nq, ncols, p.Dv, dop, p.H * p.Dv, 1, w.vt, p.bk, w.dp, p.bk, false);
+  gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
+  gemm(nq, ncols, p.Dv, dop, p.H * p.Dv, 1, w.vt, p.Tkp, w.dp, p.bk, false);
   const float* lse = t.lse + (b * p.H + h) * p.Tq + i0;
   const float* delta = t.delta + (b * p.H + h) * p.Tq + i0;
   for (int64_t r = 0; r < nq; ++r) {
@@ -409,15 +396,13 @@ void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const Bac
 }
 
 int64_t backward_scratch(const Params& p) {
-  int64_t tile = (p.D + p.Dv) * p.bk + 3 * p.bq * p.bk + p.bk;
-  return tile + std::max(p.bk * (p.D + p.Dv), p.bq * p.D);
+  return 3 * p.bq * p.bk + p.bk + std::max(p.bk * (p.D + p.Dv), p.bq * p.D);
 }
 
 BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
   BackwardTile w;
-  w.kt = scratch;
-  w.vt = w.kt + p.D * p.bk;
-  w.s = w.vt + p.Dv * p.bk;
+  w.kt = w.vt = nullptr;
+  w.s = scratch;
   w.dp = w.s + p.bq * p.bk;
   w.th = w.dp + p.bq * p.bk;
   w.kseg = reinterpret_cast<int32_t*>(w.th + p.bq * p.bk);
@@ -425,16 +410,15 @@ BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
 }
 
 float* backward_accumulators(const Params& p, float* scratch) {
-  return scratch + (p.D + p.Dv) * p.bk + 3 * p.bq * p.bk + p.bk;
+  return scratch + 3 * p.bq * p.bk + p.bk;
 }
 
-void pack_kv_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
-                  int64_t b, int64_t kh, int64_t j0, int64_t nk, int64_t ncols) {
-  const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
-  const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
-  pack_transposed(kp, p.K * p.D, nk, ncols, p.D, w.kt, p.bk);
-  pack_transposed(vp, p.K * p.Dv, nk, ncols, p.Dv, w.vt, p.bk);
-  copy_kv_segments(p, bt, j0, nk, ncols, w.kseg);
+// Points the tile at key block j0 of kv head kh and copies its key segment ids.
+void set_kv_tile(const Params& p, const Tensors& t, const Batch& bt, BackwardTile* w, int64_t b,
+                 int64_t kh, int64_t j0, int64_t nk, int64_t ncols) {
+  w->kt = t.kt + (b * p.K + kh) * p.D * p.Tkp + j0;
+  w->vt = t.vt + (b * p.K + kh) * p.Dv * p.Tkp + j0;
+  copy_kv_segments(p, bt, j0, nk, ncols, w->kseg);
 }
 
 // dK, dV of one (batch, kv head, key block) over the query blocks of its heads.
@@ -445,12 +429,12 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
   const int64_t j0 = bk_index * p.bk, nk = std::min(p.bk, p.Tk - j0);
   const int64_t ncols = (nk + NR - 1) / NR * NR;
   const Batch bt = batch(p, t, b);
-  const BackwardTile w = backward_scratch_tile(p, scratch);
+  BackwardTile w = backward_scratch_tile(p, scratch);
   float* dk = backward_accumulators(p, scratch);  // [nk, D]
   float* dv = dk + p.bk * p.D;                    // [nk, Dv]
   std::fill(dk, dk + nk * p.D, 0.f);
   std::fill(dv, dv + nk * p.Dv, 0.f);
-  pack_kv_tile(p, t, bt, w, b, kh, j0, nk, ncols);
+  set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
   for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
     for (int64_t qb = 0; qb < nb.nqb; ++qb) {
       const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
@@ -479,7 +463,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
   const int64_t b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.K);
   const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
   const Batch bt = batch(p, t, b);
-  const BackwardTile w = backward_scratch_tile(p, scratch);
+  BackwardTile w = backward_scratch_tile(p, scratch);
   float* dq = backward_accumulators(p, scratch);  // [nq, D]
   std::fill(dq, dq + nq * p.D, 0.f);
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
@@ -487,7 +471,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
     const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
-    pack_kv_tile(p, t, bt, w, b, kh, j0, nk, ncols);
+    set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
     backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols);
     const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
     gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, dq, p.D, true);  // dS K
@@ -501,7 +485,7 @@ int64_t scratch_floats(const Params& p) {
   return std::max(forward_scratch(p), backward_scratch(p)) + 64;
 }
 
-const Isa kIsa = {JATTN_ISA_NAME, NR, scratch_floats, forward_item, backward_kv_item,
+const Isa kIsa = {JATTN_ISA_NAME, NR, MR, scratch_floats, forward_item, backward_kv_item,
                   backward_q_item};
 
 }  // namespace

@@ -109,7 +109,7 @@ void dims4(ffi::Span<const int64_t> d, int64_t* b, int64_t* t, int64_t* h, int64
 }
 
 ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
-                       ffi::Span<const int64_t> vd, float scale, float softcap, int64_t causal,
+                       ffi::Span<const int64_t> vd, ffi::Span<const int64_t> ktd, float scale, float softcap, int64_t causal,
                        int64_t window_left, int64_t window_right, int64_t has_seg,
                        int64_t has_sinks, int64_t block_q, int64_t block_k, Params* p) {
   int64_t kb, vb, vt, vk;
@@ -120,7 +120,7 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   dims4(vd, &vb, &vt, &vk, &p->Dv);
   if (kb != p->B || vb != p->B || vt != p->Tk || vk != p->K || p->K == 0 || p->H % p->K)
     return ffi::Error::InvalidArgument("jattn cpu attention: q, k, v shapes do not match");
-  dims4(qd, &p->B, &p->Tq, &p->H, &p->D);
+  p->Tkp = ktd.size() == qd.size() ? ktd[ktd.size() - 1] : -1;
   p->scale = scale;
   p->softcap = softcap;
   p->causal = causal != 0;
@@ -128,14 +128,17 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   p->wr = window_right;
   p->has_seg = has_seg != 0;
   p->has_sinks = has_sinks != 0;
-  const int64_t nr = isa().nr;
-  p->bq = std::max<int64_t>(1, block_q);
-  p->bk = std::max<int64_t>(nr, (block_k + nr - 1) / nr * nr);
+  // The query tile: a multiple of the micro-kernel's rows unless asked for.
+  p->bq = block_q > 0 ? block_q : 8 * isa().mr;
+  p->bk = block_k;
+  if (p->bk <= 0 || p->bk % isa().nr || p->Tkp < p->Tk || p->Tkp % p->bk)
+    return ffi::Error::InvalidArgument(
+        "jattn cpu attention: block_k must be a multiple of 32 and kt's last axis of block_k");
   return ffi::Error::Success();
 }
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_len,
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> sinks, float scale,
                    float softcap, int64_t causal, int64_t window_left, int64_t window_right,
@@ -143,7 +146,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    int64_t max_threads, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
   Params p;
-  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), scale, softcap,
+  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
+                               scale, softcap,
                                causal, window_left, window_right, has_seg, has_sinks, block_q,
                                block_k, &p);
   if (err.failure()) return err;
@@ -151,6 +155,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   t.q = q.typed_data();
   t.k = k.typed_data();
   t.v = v.typed_data();
+  t.kt = kt.typed_data();
   t.q_len = q_len.typed_data();
   t.kv_len = kv_len.typed_data();
   t.q_seg = q_seg.typed_data();
@@ -167,7 +172,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_len,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::F32> vt,
+                    ffi::Buffer<ffi::S32> q_len,
                     ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
                     ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> dout,
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta, float scale,
@@ -176,7 +182,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv) {
   Params p;
-  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), scale, softcap,
+  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
+                               scale, softcap,
                                causal, window_left, window_right, has_seg, 0, block_q, block_k,
                                &p);
   if (err.failure()) return err;
@@ -184,10 +191,12 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   t.q = q.typed_data();
   t.k = k.typed_data();
   t.v = v.typed_data();
+  t.kt = kt.typed_data();
   t.q_len = q_len.typed_data();
   t.kv_len = kv_len.typed_data();
   t.q_seg = q_seg.typed_data();
   t.kv_seg = kv_seg.typed_data();
+  t.vt = vt.typed_data();
   t.dout = dout.typed_data();
   t.lse = lse.typed_data();
   t.delta = delta.typed_data();
@@ -218,6 +227,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kt
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
@@ -242,6 +252,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kt
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // vt
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
