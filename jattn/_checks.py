@@ -586,4 +586,3 @@ def _same_modifier(a, b) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:
         return False
-

@@ -131,6 +131,7 @@ class Kernel(Protocol):
 
     def attention(self, q, k, v, ops, settings, *, interpret: bool) -> tuple[Any, Any]: ...
 
+
 # The implementation names the adapters serve, as `implementation=` spells them.
 KERNELS = ("cudnn", "pallas_triton", "splash", "cpu_fused")
 
