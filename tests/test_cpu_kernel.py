@@ -267,7 +267,7 @@ def test_automatic_rule_takes_it_and_falls_back():
     assert chosen(call=mask) == "blockwise"
     key = jax.random.key(0)
     drop = (Operands(scale=0.25, dropout_rate=0.1, dropout_rng=key), Settings(), DenseExtras())
-    assert chosen(call=drop) == "blockwise"
+    assert chosen(call=drop) == "cpu_fused"
     f64 = jnp.zeros((1, 512, 2, 16), jnp.float64) if jax.config.jax_enable_x64 else None
     if f64 is not None:
         assert _routing.choose(None, f64, f64, f64, *plain) != "cpu_fused"
@@ -279,7 +279,6 @@ def test_automatic_rule_takes_it_and_falls_back():
     [
         (dict(mask=jnp.ones((8, 8), bool)), "a mask array"),
         (dict(bias=jnp.zeros((8, 8))), "a bias array"),
-        (dict(dropout_rate=0.5, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(score_mod=jattn.mods.alibi(jnp.ones(2))), "score_mod"),
         (dict(return_weights=True), "weight matrix"),
         (dict(precision=jax.lax.Precision.HIGHEST), "precision"),
@@ -318,3 +317,57 @@ def test_bfloat16_rounds_like_dense():
     assert_close(out, dense_out, tol, "out")
     for got, want in zip(grads, dense_grads, strict=True):
         assert_close(got, want, tol, "grad")
+
+
+# ----------------------------------------------------------------------------------------
+# Dropout: jattn's position-keyed generator, inside the kernel
+# ----------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("shared", [False, True, "batch", "heads"])
+def test_dropout_pattern_is_the_blockwise_and_dense_one(shared):
+    """With q = 0 every visible key weighs 1/n and v = I makes out[i, j] = keep_ij / (keep
+    n): the kept pattern itself, compared exactly with the other paths'."""
+    b, t, h = 2, 150, 4
+    q = jnp.zeros((b, t, h, t))
+    v = jnp.broadcast_to(jnp.eye(t)[:, None, :], (b, t, 2, t))
+    k = jnp.ones((b, t, 2, t))
+
+    def pattern(impl):
+        out = jattn.dot_product_attention(
+            q, k, v, is_causal=True, dropout_rate=0.4, dropout_rng=jax.random.key(5),
+            broadcast_dropout=shared, implementation=impl,
+        )  # fmt: skip
+        return np.asarray(out) != 0, out
+
+    fused, out = pattern("cpu_fused")
+    for impl in ("blockwise", "dense"):
+        np.testing.assert_array_equal(fused, pattern(impl)[0], err_msg=impl)
+    kept = fused[..., 0, :][:, np.tril_indices(t)[0], np.tril_indices(t)[1]].mean()
+    assert 0.5 < kept < 0.7  # keep probability 0.6
+    n = np.arange(1, t + 1)[None, :, None, None]
+    np.testing.assert_allclose(np.asarray(out)[fused], (1 / (0.6 * n) * fused)[fused], rtol=1e-6)
+
+
+@needs_kernel
+def test_dropout_outputs_and_gradients_match_blockwise():
+    case = Case("dropout", batch=(2,), tq=140, tk=160, h=4, kh=2, d=32, window=(50, 20),
+                segments="cross", kv_lengths=(150, 90))  # fmt: skip
+    q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
+
+    def run(impl):
+        def f(q, k, v):
+            return jattn.dot_product_attention(
+                q, k, v, local_window_size=case.window, query_segment_ids=q_ids,
+                key_value_segment_ids=kv_ids, key_value_seq_lengths=lengths(case, "kv_lengths"),
+                dropout_rate=0.3, dropout_rng=jax.random.key(1), implementation=impl,
+            )  # fmt: skip
+
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        return out, vjp(d_out)
+
+    (out, grads), (ref, ref_grads) = run("cpu_fused"), run("blockwise")
+    assert_close(out, ref, 1e-4, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close(got, want, 1e-4, name)

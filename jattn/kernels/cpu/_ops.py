@@ -31,6 +31,10 @@ class Aux(NamedTuple):
       q_seg, kv_seg: int32 ``[batch..., Tq]``, ``[batch..., Tk]`` (``[batch..., 1]``
         placeholders, never read, without segment ids).
       sinks: float32 ``[batch..., H]`` (a ``[batch..., 1]`` placeholder without sinks).
+      drop_k0, drop_k1: uint32 ``[batch..., H, Tq]``: each row's dropout keys
+        (:func:`jattn._prng.row_keys`; ``[batch..., 1, 1]`` placeholders without dropout).
+      drop_threshold: uint32 ``[batch...]`` (:func:`jattn._prng.keep_threshold`).
+      drop_scale: float32 ``[batch...]``: 1 / keep probability.
     """
 
     q_len: Array
@@ -38,6 +42,10 @@ class Aux(NamedTuple):
     q_seg: Array
     kv_seg: Array
     sinks: Array
+    drop_k0: Array
+    drop_k1: Array
+    drop_threshold: Array
+    drop_scale: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +57,8 @@ class Static:
       softcap: ``cap`` of ``cap * tanh(logits / cap)``, or 0.0 for none.
       causal: query ``i`` sees keys ``j <= i``.
       window_left, window_right: the local window, -1 for no limit on that side.
-      has_segments, has_sinks: whether ``Aux.q_seg``/``kv_seg`` and ``Aux.sinks`` are real.
+      has_segments, has_sinks, has_dropout: whether ``Aux``'s segment ids, sinks and dropout
+        operands are real.
       block_q, block_k: tile sizes.
       max_threads: most workers per call (0: every thread of XLA's intra-op pool).
     """
@@ -61,6 +70,7 @@ class Static:
     window_right: int
     has_segments: bool
     has_sinks: bool
+    has_dropout: bool
     block_q: int
     block_k: int
     max_threads: int
@@ -73,6 +83,7 @@ class Static:
             window_left=np.int64(self.window_left),
             window_right=np.int64(self.window_right),
             has_segments=np.int64(self.has_segments),
+            has_dropout=np.int64(self.has_dropout),
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             max_threads=np.int64(self.max_threads),
@@ -136,6 +147,7 @@ def _attention_bwd(static: Static, residuals, cotangents):
     kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
     dq, dk, dv = call(
         q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
+        aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale,
         **static.attributes(backward=True),
     )  # fmt: skip
     d_sinks = jnp.zeros_like(aux.sinks)
@@ -143,7 +155,7 @@ def _attention_bwd(static: Static, residuals, cotangents):
         # d lse_i / d sink = p_sink,i = exp(sink - lse_i); d out_i / d sink = -p_sink,i out_i.
         p_sink = jnp.exp(aux.sinks[..., None] - lse)  # [batch..., H, Tq]
         d_sinks = -jnp.sum(p_sink * delta, axis=-1)
-    d_aux = Aux(None, None, None, None, d_sinks)
+    d_aux = Aux(None, None, None, None, d_sinks, None, None, None, None)
     return dq, dk, dv, d_aux
 
 

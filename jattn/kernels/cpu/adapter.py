@@ -6,23 +6,28 @@ top-left as jattn's), local windows ``(left, right)`` (``right`` may be None), q
 key lengths, segment ids (one array or separate query/key ids), grouped- and multi-query
 attention without repeating K/V, any leading batch dims, any head sizes (``Dv`` may differ
 from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` score_mod,
-and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
+dropout (jattn's position-keyed generator, :mod:`jattn._prng`, evaluated per weight inside
+the kernel: the same key drops the same weights as the dense and blockwise paths, and no
+mask is stored), and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
 skipped; rows that attend nothing give zero output, zero gradients and
 :func:`jattn.large_negative` as their lse, as every jattn path.
 
-Refused (routing falls back to the blockwise or dense path): mask and bias arrays,
-dropout, any other ``score_mod``/``mask_mod`` callable, a ``block_mask``, float64, a
+Refused (routing falls back to the blockwise or dense path): mask and bias arrays, any
+other ``score_mod``/``mask_mod`` callable, a ``block_mask``, float64, a
 traced scale, an explicit matmul precision, the weight matrix. ``JATTN_CPU_THREADS=n``
 caps the kernel's workers (default: XLA's whole intra-op pool).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from jattn import mods
+from jattn import _prng, mods
 from jattn.kernels import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
@@ -66,7 +71,6 @@ def obstacle(query: KernelQuery) -> str | None:
     for flag, what in (
         (query.has_mask, "a mask array (cpu_fused builds causal, window, lengths, segments)"),
         (query.has_bias, "a bias array (not in cpu_fused yet)"),
-        (query.dropout, "dropout (not in cpu_fused yet)"),
         (query.block_mask, "a block_mask (not in cpu_fused yet)"),
         (query.mask_mod is not None, "a mask_mod callable (it cannot enter C++)"),
         (query.traced_scale, "a traced scale (cpu_fused compiles the scale in)"),
@@ -87,7 +91,7 @@ def _threads() -> int:
     return int(value) if value.isdigit() else 0
 
 
-def _aux(q, k, ops) -> _ops.Aux:
+def _aux(q, k, ops, settings) -> _ops.Aux:
     """Every per-batch operand broadcast to the call's batch dims (see :mod:`._ops`)."""
     batch = q.shape[:-3]
     tq, h, tk = q.shape[-3], q.shape[-2], k.shape[-3]
@@ -109,6 +113,38 @@ def _aux(q, k, ops) -> _ops.Aux:
         q_seg=ids(ops.q_segments, tq),
         kv_seg=ids(ops.kv_segments, tk),
         sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
+        **_dropout(batch, h, tq, ops, settings),
+    )
+
+
+def _dropout(batch, h, tq, ops, settings) -> dict:
+    """The dropout operands of :class:`._ops.Aux`: jattn._prng's row keys, numbered as the
+    dense mask ``[batch..., H, Tq, Tk]`` numbers its rows (shared axes count as size 1),
+    so the kernel drops exactly what the dense and blockwise paths drop."""
+    if ops.dropout_rng is None:
+        u32 = jnp.zeros((*batch, 1, 1), jnp.uint32)
+        return dict(drop_k0=u32, drop_k1=u32, drop_threshold=jnp.zeros(batch, jnp.uint32),
+                    drop_scale=jnp.ones(batch, jnp.float32))  # fmt: skip
+    over_batch, over_heads = settings.dropout_shared
+    u32 = jnp.uint32
+    row = lax.broadcasted_iota(u32, (1, 1, tq), 2)
+    if not over_heads:
+        row = row + lax.broadcasted_iota(u32, (1, h, 1), 1) * np.uint32(tq)
+    if not over_batch:
+        n = math.prod(batch)
+        per_batch = np.uint32(((1 if over_heads else h) * tq) % 2**32)
+        row = row + lax.broadcasted_iota(u32, (n, 1, 1), 0) * per_batch
+    k0, k1 = _prng.row_keys(_prng.key_words(ops.dropout_rng), row)
+    keep = 1.0 - ops.dropout_rate
+
+    def per_row(x):  # [N|1, H|1, Tq] -> [batch..., H, Tq]
+        return jnp.broadcast_to(x, (math.prod(batch), h, tq)).reshape(*batch, h, tq)
+
+    return dict(
+        drop_k0=per_row(k0),
+        drop_k1=per_row(k1),
+        drop_threshold=jnp.broadcast_to(_prng.keep_threshold(keep), batch),
+        drop_scale=jnp.broadcast_to((1.0 / jnp.asarray(keep, jnp.float32)), batch),
     )
 
 
@@ -136,10 +172,11 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         window_right=-1 if right is None else int(right),
         has_segments=ops.q_segments is not None,
         has_sinks=ops.sinks is not None,
+        has_dropout=ops.dropout_rng is not None,
         block_q=BLOCK_Q,
         block_k=BLOCK_K,
         max_threads=_threads(),
     )
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    out, lse = _ops.attention(*f32, _aux(q, k, ops), static)
+    out, lse = _ops.attention(*f32, _aux(q, k, ops, settings), static)
     return out.astype(q.dtype), lse

@@ -6,6 +6,8 @@
 //   q_len, kv_len int32 [B]; q_seg int32 [B, Tq], kv_seg int32 [B, Tk]; sinks float [B, H].
 // Query i of batch b sees key j iff i < q_len[b], j < kv_len[b], (not causal or j <= i),
 // (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr) and (no segments or q_seg[i] == kv_seg[j]).
+// Dropout keeps weight (i, j) iff top24(mix(mix(j ^ k0[i]) ^ k1[i])) < threshold, with jattn's
+// position-keyed generator (jattn/_prng.py), so the mask is the blockwise and dense paths'.
 #ifndef JATTN_KERNELS_CPU_ATTENTION_H_
 #define JATTN_KERNELS_CPU_ATTENTION_H_
 
@@ -20,7 +22,7 @@ struct Params {
   float softcap;  // 0: none; else logits become softcap * tanh(logits / softcap)
   bool causal;
   int64_t wl, wr;  // window left / right; -1: unlimited
-  bool has_seg, has_sinks;
+  bool has_seg, has_sinks, has_dropout;
   int64_t bq, bk;  // tile sizes (bk a multiple of the ISA's micro-kernel width)
 };
 
@@ -35,6 +37,12 @@ struct Tensors {
   const int32_t* q_seg = nullptr;
   const int32_t* kv_seg = nullptr;
   const float* sinks = nullptr;
+  // Dropout (jattn._prng): each row's two Philox keys [B, H, Tq]; per batch row the keep
+  // threshold on the top 24 bits and 1 / keep probability.
+  const uint32_t* drop_k0 = nullptr;
+  const uint32_t* drop_k1 = nullptr;
+  const uint32_t* drop_threshold = nullptr;
+  const float* drop_scale = nullptr;
   // forward outputs
   float* out = nullptr;
   float* lse = nullptr;

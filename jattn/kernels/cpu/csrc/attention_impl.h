@@ -36,6 +36,7 @@ typedef float vf __attribute__((vector_size(W * 4)));
 typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef int32_t viu __attribute__((vector_size(W * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
 
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
@@ -79,6 +80,29 @@ inline vf vexp(vf x) {
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf result = y * (vf)bits;  // the bits of 2^n
   return x < splat(-87.f) ? splat(0.f) : result;
+}
+
+// jattn._prng's element stage: lowbias32 twice over the key index and the row's keys.
+inline vu mix(vu x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+// Row i's dropout: its Philox keys, the keep threshold and the survivors' scale.
+struct RowDropout {
+  bool on;
+  uint32_t k0, k1, threshold;
+  float scale;
+};
+
+// The vector of dropout multipliers (scale or 0) of keys j0 + c ... j0 + c + W - 1.
+inline vf dropout_factor(const RowDropout& rd, int64_t key) {
+  vu col = (vu)iota() + static_cast<uint32_t>(key);
+  vu top = mix(mix(col ^ rd.k0) ^ rd.k1) >> 8;  // jattn._prng keeps the top 24 bits
+  return top < (vu{} + rd.threshold) ? splat(rd.scale) : splat(0.f);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -151,10 +175,12 @@ void gemm(int64_t m, int64_t n, int64_t kc, const float* a, int64_t a_rs, int64_
 
 enum class TileState { kEmpty, kPartial, kFull };
 
-struct Batch {  // one batch row's lengths and segment ids
+struct Batch {  // one batch row's lengths, segment ids and dropout rate
   int64_t q_len, kv_len;
   const int32_t* q_seg;
   const int32_t* kv_seg;
+  uint32_t drop_threshold;
+  float drop_scale;
 };
 
 Batch batch(const Params& p, const Tensors& t, int64_t b) {
@@ -163,7 +189,16 @@ Batch batch(const Params& p, const Tensors& t, int64_t b) {
   r.kv_len = std::min<int64_t>(std::max<int32_t>(t.kv_len[b], 0), p.Tk);
   r.q_seg = p.has_seg ? t.q_seg + b * p.Tq : nullptr;
   r.kv_seg = p.has_seg ? t.kv_seg + b * p.Tk : nullptr;
+  r.drop_threshold = p.has_dropout ? t.drop_threshold[b] : 0;
+  r.drop_scale = p.has_dropout ? t.drop_scale[b] : 1.f;
   return r;
+}
+
+inline RowDropout row_dropout(const Params& p, const Tensors& t, const Batch& bt, int64_t b,
+                              int64_t h, int64_t i) {
+  if (!p.has_dropout) return {false, 0, 0, 0, 1.f};
+  const int64_t row = (b * p.H + h) * p.Tq + i;
+  return {true, t.drop_k0[row], t.drop_k1[row], bt.drop_threshold, bt.drop_scale};
 }
 
 // The keys [lo, hi) query i sees from the position masks and the key length (hi <= lo: none).
@@ -269,7 +304,8 @@ inline Blocks blocks(const Params& p) {
 // One row of the online softmax: s (the row's logits, ncols) becomes P in place; m, l and
 // the output row o (length dv) are updated for the new running max.
 inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
-                        const int32_t* kseg, float* m, float* l, float* o, int64_t dv) {
+                        const int32_t* kseg, const RowDropout& rd, int64_t j0, float* m,
+                        float* l, float* o, int64_t dv) {
   scaled_logits(p, s, ncols, nullptr);
   vf vmax = splat(-kInf);
   for (int64_t c = 0; c < ncols; c += W) {
@@ -287,8 +323,8 @@ inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask&
   vf sum = vf{};
   for (int64_t c = 0; c < ncols; c += W) {
     vf e = vexp(load(s + c) - mv);
-    store(s + c, e);
-    sum += e;
+    sum += e;  // the normaliser counts every weight; dropout drops from the values' sum
+    store(s + c, rd.on ? e * dropout_factor(rd, j0 + c) : e);
   }
   float alpha = *m == -kInf ? 0.f : std::exp(*m - m_new);
   *l = *l * alpha + hsum(sum);
@@ -331,7 +367,8 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
     gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
     for (int64_t r = 0; r < nq; ++r) {
       const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
-      softmax_row(p, s + r * p.bk, ncols, rm, kseg, m + r, l + r, o + r * p.Dv, p.Dv);
+      const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
+      softmax_row(p, s + r * p.bk, ncols, rm, kseg, rd, j0, m + r, l + r, o + r * p.Dv, p.Dv);
     }
     gemm(nq, p.Dv, nk, s, p.bk, 1, vp, v_rs, o, p.Dv, true);
   }
@@ -361,12 +398,20 @@ inline void probabilities_row(const Params& p, float* s, int64_t ncols, const Ro
   }
 }
 
-// dS = P * (dP - delta) (* (1 - tanh^2) when soft-capping) * scale, into dp.
-inline void dlogits_row(const Params& p, const float* prob, float* dp, int64_t ncols,
-                        float delta, const float* t) {
+// dS = P * (Z dP - delta) (* (1 - tanh^2) when soft-capping) * scale, into dp, with Z the
+// dropout multipliers; with drop_p, P becomes Z P in place (for dV).
+inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, float delta,
+                        const float* t, const RowDropout& rd, int64_t j0, bool drop_p) {
   const vf dv = splat(delta), sc = splat(p.scale);
-  for (int64_t c = 0; c < ncols; c += W)
-    store(dp + c, load(prob + c) * (load(dp + c) - dv) * sc);
+  for (int64_t c = 0; c < ncols; c += W) {
+    vf pr = load(prob + c), g = load(dp + c);
+    if (rd.on) {
+      vf z = dropout_factor(rd, j0 + c);
+      g *= z;
+      if (drop_p) store(prob + c, pr * z);
+    }
+    store(dp + c, pr * (g - dv) * sc);
+  }
   if (p.softcap != 0.f)
     for (int64_t c = 0; c < ncols; ++c) dp[c] *= 1.f - t[c] * t[c];
 }
@@ -380,7 +425,7 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
 // S -> P and dP -> dS for one tile whose kt, vt and kseg are packed.
 void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
                    TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
-                   int64_t nk, int64_t ncols) {
+                   int64_t nk, int64_t ncols, bool drop_p) {
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
   const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
   gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
@@ -391,7 +436,8 @@ void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const Bac
     const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
     float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
     probabilities_row(p, w.s + r * p.bk, ncols, rm, w.kseg, lse[r], th);
-    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, delta[r], th);
+    const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
+    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, delta[r], th, rd, j0, drop_p);
   }
 }
 
@@ -440,10 +486,10 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
       const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
       const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
       if (state == TileState::kEmpty) continue;
-      backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols);
+      backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true);
       const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
       const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
-      gemm(nk, p.Dv, nq, w.s, 1, p.bk, dop, p.H * p.Dv, dv, p.Dv, true);  // P^T dO
+      gemm(nk, p.Dv, nq, w.s, 1, p.bk, dop, p.H * p.Dv, dv, p.Dv, true);  // (Z P)^T dO
       gemm(nk, p.D, nq, w.dp, 1, p.bk, qp, p.H * p.D, dk, p.D, true);     // dS^T Q
     }
   }
@@ -472,7 +518,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
-    backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols);
+    backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, false);
     const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
     gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, dq, p.D, true);  // dS K
   }
