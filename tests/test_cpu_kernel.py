@@ -151,6 +151,17 @@ def test_boundary_lengths_and_head_sizes(t, causal, d, dv):
 
 
 @needs_kernel
+@pytest.mark.parametrize("tq", [1, 3, 15, 16])
+def test_decoding_against_a_long_cache(tq):
+    """Few queries read the keys in place (no transposed copy below 16 queries)."""
+    case = Case(f"decode{tq}", batch=(2,), tq=tq, tk=700, h=4, kh=1, d=64,
+                kv_lengths=(700, 333))  # fmt: skip
+    d_lse = d_lse_of(case)
+    out, lse, grads = public(case, "cpu_fused", d_lse)
+    check_results(case, out, lse, grads, d_lse)
+
+
+@needs_kernel
 @pytest.mark.slow
 def test_long_sequence_4097():
     case = Case("long", batch=(1,), tq=4097, tk=4097, h=2, kh=1, d=32, causal=True)

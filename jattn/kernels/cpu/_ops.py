@@ -22,6 +22,10 @@ from jattn.kernels.cpu import _library
 
 Array = jax.Array
 
+# From this many queries on, the forward reads K^T from one transposed copy of the keys
+# (register-blocked tile products); below it, dot products against the keys in place.
+TRANSPOSE_MIN_QUERIES = 16
+
 
 class Aux(NamedTuple):
     """The per-batch operands (each with the call's leading ``batch...``).
@@ -117,7 +121,10 @@ def _forward_call(q, k, v, aux: Aux, static: Static):
         jax.ShapeDtypeStruct((*batch, h, tq), jnp.float32),
     )
     call = jax.ffi.ffi_call(_library.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    kt = transposed(k, static.block_k)
+    if q.shape[-3] >= TRANSPOSE_MIN_QUERIES:
+        kt = transposed(k, static.block_k)
+    else:  # decoding: the kernel reads the keys in place (a copy would cost more than it saves)
+        kt = jnp.zeros((*batch, 1), jnp.float32)
     return call(q, k, v, kt, *aux, **static.attributes(backward=False))
 
 

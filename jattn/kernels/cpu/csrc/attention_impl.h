@@ -169,6 +169,26 @@ void gemm(int64_t m, int64_t n, int64_t kc, const float* a, int64_t a_rs, int64_
     }
 }
 
+// C[i, j] = A[i, :] . B[j, :] for a few rows of A (decoding): dot products along the rows,
+// reading B (the keys) in place instead of a transposed copy; columns n..n_pad get 0.
+void gemm_rows_dot(int64_t m, int64_t n, int64_t n_pad, int64_t kc, const float* a,
+                   int64_t a_rs, const float* b, int64_t b_rs, float* c, int64_t c_rs) {
+  const int64_t kv = kc / W * W;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* ai = a + i * a_rs;
+    float* ci = c + i * c_rs;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* bj = b + j * b_rs;
+      vf acc = vf{};
+      for (int64_t p = 0; p < kv; p += W) acc += load(ai + p) * load(bj + p);
+      float sum = hsum(acc);
+      for (int64_t p = kv; p < kc; ++p) sum += ai[p] * bj[p];
+      ci[j] = sum;
+    }
+    for (int64_t j = n; j < n_pad; ++j) ci[j] = 0.f;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Which tiles the masks leave visible
 // ---------------------------------------------------------------------------------------
@@ -356,7 +376,7 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
   }
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
   const int64_t q_rs = p.H * p.D, v_rs = p.K * p.Dv;
-  const float* kt_head = t.kt + (b * p.K + kh) * p.D * p.Tkp;
+  const float* kt_head = t.kt == nullptr ? nullptr : t.kt + (b * p.K + kh) * p.D * p.Tkp;
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
     const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
@@ -364,7 +384,12 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
     copy_kv_segments(p, bt, j0, nk, ncols, kseg);
-    gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
+    if (kt_head != nullptr) {
+      gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
+    } else {  // a few queries: no transposed copy of the keys was made
+      const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
+      gemm_rows_dot(nq, nk, ncols, p.D, qp, q_rs, kp, p.K * p.D, s, p.bk);
+    }
     for (int64_t r = 0; r < nq; ++r) {
       const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
       const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);

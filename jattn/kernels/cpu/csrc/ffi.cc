@@ -121,7 +121,8 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   dims4(vd, &vb, &vt, &vk, &p->Dv);
   if (kb != p->B || vb != p->B || vt != p->Tk || vk != p->K || p->K == 0 || p->H % p->K)
     return ffi::Error::InvalidArgument("jattn cpu attention: q, k, v shapes do not match");
-  p->Tkp = ktd.size() == qd.size() ? ktd[ktd.size() - 1] : -1;
+  // kt [batch..., K, D, Tkp], or a placeholder of another rank: no transposed keys.
+  p->Tkp = ktd.size() == qd.size() ? ktd[ktd.size() - 1] : p->Tk;
   p->scale = scale;
   p->softcap = softcap;
   p->causal = causal != 0;
@@ -133,7 +134,8 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   // The query tile: a multiple of the micro-kernel's rows unless asked for.
   p->bq = block_q > 0 ? block_q : 8 * isa().mr;
   p->bk = block_k;
-  if (p->bk <= 0 || p->bk % isa().nr || p->Tkp < p->Tk || p->Tkp % p->bk)
+  if (p->bk <= 0 || p->bk % isa().nr || p->Tkp < p->Tk ||
+      (ktd.size() == qd.size() && p->Tkp % p->bk))
     return ffi::Error::InvalidArgument(
         "jattn cpu attention: block_k must be a multiple of 32 and kt's last axis of block_k");
   return ffi::Error::Success();
@@ -160,7 +162,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   t.q = q.typed_data();
   t.k = k.typed_data();
   t.v = v.typed_data();
-  t.kt = kt.typed_data();
+  t.kt = kt.dimensions().size() == q.dimensions().size() ? kt.typed_data() : nullptr;
   t.q_len = q_len.typed_data();
   t.kv_len = kv_len.typed_data();
   t.q_seg = q_seg.typed_data();
@@ -203,7 +205,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   t.q = q.typed_data();
   t.k = k.typed_data();
   t.v = v.typed_data();
-  t.kt = kt.typed_data();
+  t.kt = kt.dimensions().size() == q.dimensions().size() ? kt.typed_data() : nullptr;
   t.q_len = q_len.typed_data();
   t.kv_len = kv_len.typed_data();
   t.q_seg = q_seg.typed_data();
