@@ -239,6 +239,10 @@ def dot_product_attention(
       >= 8.0 (precision issues), and jax 0.12 deprecates it.
     * ``'splash'``: Pallas splash attention (TPUs): causal, windows, lengths, segment ids,
       GQA/MQA without copies, bfloat16 / float32; no residual.
+    * ``'cpu_fused'``: jattn's fused CPU kernel (C++ through XLA's FFI): causal, windows,
+      lengths, segment ids, GQA/MQA, sinks, ``mods.softcap``, dropout (the same mask as
+      jattn's own paths), the residual; float32 / bfloat16 / float16 computed in float32
+      (``jattn.kernels.cpu.status()`` says whether it was built).
 
     The kernels (:mod:`jattn.kernels`) keep jattn's semantics (masks True = attend, zero
     output and gradients for rows that attend nothing, ``scale``, batch dims) and take no
@@ -254,8 +258,10 @@ def dot_product_attention(
       ``'dense'``;
     * TPU: ``'splash'`` when ``q_len >= 128``, then ``'blockwise'`` when
       ``q_len * kv_len >= 4096**2``, else ``'dense'``;
-    * CPU: ``'blockwise'`` when ``q_len`` and ``kv_len`` are both at least 256 (where it
-      measured faster, ``benchmarks/results.md``), else ``'dense'``; never a kernel.
+    * CPU: ``'cpu_fused'`` (jattn's fused C++ kernel, where it was built at install) from
+      ``kv_len`` 128 for the calls it takes; then ``'blockwise'`` when ``q_len`` and
+      ``kv_len`` are both at least 256 (where it measured faster,
+      ``benchmarks/results.md``), else ``'dense'``.
 
     ``'blockwise'`` is skipped when the call needs the weight matrix (``return_weights=True``,
     ``module=``), has a traced ``scale`` or uses flax's einsum hooks. It takes a ``bias``
