@@ -178,21 +178,34 @@ DETERMINISM_CASE = Case("determinism", batch=(3,), tq=200, tk=330, h=4, kh=2, d=
                         causal=False, window=(150, 60), segments="cross")  # fmt: skip
 
 
+# 16 (batch, kv head) pairs: the backward's single pass per pair (dQ accumulated in place).
+SINGLE_PASS_CASE = Case("single_pass", batch=(4,), tq=150, tk=170, h=8, kh=4, d=32,
+                        causal=True, segments="cross", kv_lengths=(170, 0, 99, 150))  # fmt: skip
+
+
+@needs_kernel
+def test_single_pass_backward_conformance():
+    d_lse = d_lse_of(SINGLE_PASS_CASE)
+    out, lse, grads = public(SINGLE_PASS_CASE, "cpu_fused", d_lse)
+    check_results(SINGLE_PASS_CASE, out, lse, grads, d_lse)
+
+
 def fused_results(case: Case):
     out, lse, grads = public(case, "cpu_fused", d_lse_of(case))
     return [np.asarray(x) for x in (out, lse, *grads)]
 
 
 @needs_kernel
-def test_bit_identical_across_runs_and_thread_counts(monkeypatch):
+@pytest.mark.parametrize("case", [DETERMINISM_CASE, SINGLE_PASS_CASE], ids=str)
+def test_bit_identical_across_runs_and_thread_counts(case, monkeypatch):
     """Each output element is computed by one worker in a fixed order: no dependence on
     scheduling or on the number of threads (JATTN_CPU_THREADS caps the workers)."""
-    first = fused_results(DETERMINISM_CASE)
-    again = fused_results(DETERMINISM_CASE)
+    first = fused_results(case)
+    again = fused_results(case)
     monkeypatch.setenv(cpu_adapter.THREADS_ENV, "1")
-    one = fused_results(DETERMINISM_CASE)
+    one = fused_results(case)
     monkeypatch.setenv(cpu_adapter.THREADS_ENV, "2")
-    two = fused_results(DETERMINISM_CASE)
+    two = fused_results(case)
     for a, b, c, d in zip(first, again, one, two, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)

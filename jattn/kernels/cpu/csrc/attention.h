@@ -64,6 +64,7 @@ struct Isa {
   void (*forward_item)(const Params&, const Tensors&, int64_t item, float* scratch);
   void (*backward_kv_item)(const Params&, const Tensors&, int64_t item, float* scratch);
   void (*backward_q_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*backward_head_item)(const Params&, const Tensors&, int64_t item, float* scratch);
 };
 
 // The kernels of each build (attention_<isa>.cc); avx512 and avx2 are null off x86-64.

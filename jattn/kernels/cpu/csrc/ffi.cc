@@ -93,6 +93,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t threads, int64_t scr
   shared->cv.wait(lock, [&] { return shared->done.load() == n; });
 }
 
+// From this many (batch, kv head) pairs on, the backward pass runs once per pair.
+constexpr int64_t kSinglePassMinHeads = 16;
+
 int64_t worker_count(ffi::ThreadPool& pool, int64_t max_threads) {
   int64_t available = std::max<int64_t>(1, pool.num_threads());
   return max_threads > 0 ? std::min(available, max_threads) : available;
@@ -224,6 +227,15 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   const Isa& k_isa = isa();
   const int64_t threads = worker_count(pool, max_threads), scratch = k_isa.scratch_floats(p);
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, nkb = (p.Tk + p.bk - 1) / p.bk;
+  // Enough (batch, kv head) pairs: one pass each, dQ accumulated in place. The choice
+  // depends on the shapes only, never on the thread count, so results do not either.
+  if (p.B * p.K >= kSinglePassMinHeads) {
+    if (p.B * p.K * (p.Tq + p.Tk) > 0)
+      parallel_for(pool, p.B * p.K, threads, scratch, [&](int64_t item, float* s) {
+        k_isa.backward_head_item(p, t, item, s);
+      });
+    return ffi::Error::Success();
+  }
   // Key blocks that no query sees still get their (zero) gradients written.
   if (p.B * p.K * p.Tk > 0)
     parallel_for(pool, nkb * p.B * p.K, threads, scratch, [&](int64_t item, float* s) {
