@@ -240,7 +240,7 @@ def dot_product_attention(
     * ``'splash'``: Pallas splash attention (TPUs): causal, windows, lengths, segment ids,
       GQA/MQA without copies, bfloat16 / float32; no residual.
     * ``'cpu_fused'``: jattn's fused CPU kernel (C++ through XLA's FFI): causal, windows,
-      lengths, segment ids, GQA/MQA, sinks, ``mods.softcap``, dropout (the same mask as
+      lengths, segment ids, GQA/MQA, sinks, ``mods.softcap``, ``mods.alibi``, dropout (the same mask as
       jattn's own paths), the residual; float32 / bfloat16 / float16 computed in float32
       (``jattn.kernels.cpu.status()`` says whether it was built).
 

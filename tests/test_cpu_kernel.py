@@ -125,6 +125,45 @@ def test_sinks_and_their_gradient(case):
 
 
 @needs_kernel
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("batch, kh", [(2, 2), (8, 2)], ids=["two_pass", "single_pass"])
+def test_alibi_and_its_slopes_gradient(symmetric, batch, kh):
+    """ALiBi against the float64 FlexAttention reference (out, lse) and dense (every
+    gradient, the slopes' included), in both backward modes."""
+    case = Case("alibi", batch=(batch,), tq=130, tk=150, h=4, kh=kh, d=32, window=(60, 10),
+                kv_lengths=(150, 40) * (batch // 2))  # fmt: skip
+    q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
+    slopes = jattn.mods.alibi_slopes(4)
+
+    def call(impl):
+        def f(q, k, v, slopes):
+            out, res = jattn.dot_product_attention(
+                q, k, v, local_window_size=case.window,
+                key_value_seq_lengths=lengths(case, "kv_lengths"), return_residual=True,
+                score_mod=jattn.mods.alibi(slopes, symmetric=symmetric), implementation=impl,
+            )  # fmt: skip
+            return out, jnp.swapaxes(res, -1, -2)
+
+        (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, slopes)
+        return out, lse, vjp((d_out, d_lse_of(case)))
+
+    out, lse, grads = call("cpu_fused")
+    sl = np.asarray(slopes, np.float64)
+
+    def score(s, b, h, qi, ki):
+        dist = -np.abs(ki - qi) if symmetric else ki - qi
+        return s + sl[h] * dist
+
+    mask = np_mask(case, q_ids, kv_ids)
+    ref_out, _, ref_lse = np_flex_attention(q, k, v, score=score, mask=mask)
+    assert_close(out, ref_out, 1e-4, "out vs float64")
+    seen = mask.any(-1)[:, 0]  # [N, Tq]
+    assert_close(np.where(seen[:, None], lse, 0), np.where(seen[:, None], ref_lse, 0), 1e-4, "lse")
+    for name, got, want in zip(("dq", "dk", "dv", "dslopes"), grads, call("dense")[2], strict=True):
+        assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "t, causal, d, dv",
     [(1, True, 8, 8), (255, True, 64, 64), (256, False, 32, 32), (257, True, 40, 24),
@@ -303,7 +342,8 @@ def test_automatic_rule_takes_it_and_falls_back():
     [
         (dict(mask=jnp.ones((8, 8), bool)), "a mask array"),
         (dict(bias=jnp.zeros((8, 8))), "a bias array"),
-        (dict(score_mod=jattn.mods.alibi(jnp.ones(2))), "score_mod"),
+        (dict(score_mod=lambda s, b, h, qi, ki: 2 * s), "score_mod"),
+        (dict(mask_mod=jattn.mods.causal()), "mask_mod"),
         (dict(return_weights=True), "weight matrix"),
         (dict(precision=jax.lax.Precision.HIGHEST), "precision"),
     ],

@@ -39,6 +39,8 @@ class Aux(NamedTuple):
         (:func:`jattn._prng.row_keys`; ``[batch..., 1, 1]`` placeholders without dropout).
       drop_threshold: uint32 ``[batch...]`` (:func:`jattn._prng.keep_threshold`).
       drop_scale: float32 ``[batch...]``: 1 / keep probability.
+      slopes: float32 ``[batch..., H]``: ALiBi slopes (a ``[batch..., 1]`` placeholder
+        without ALiBi).
     """
 
     q_len: Array
@@ -50,6 +52,7 @@ class Aux(NamedTuple):
     drop_k1: Array
     drop_threshold: Array
     drop_scale: Array
+    slopes: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Static:
       has_segments, has_sinks, has_dropout: whether ``Aux``'s segment ids, sinks and dropout
         operands are real.
       block_q, block_k: tile sizes.
+      alibi: 0 (none), 1 (``slope * (j - i)``) or 2 (symmetric, ``-slope * |j - i|``).
       max_threads: most workers per call (0: every thread of XLA's intra-op pool).
     """
 
@@ -75,6 +79,7 @@ class Static:
     has_segments: bool
     has_sinks: bool
     has_dropout: bool
+    alibi: int
     block_q: int
     block_k: int
     max_threads: int
@@ -88,6 +93,7 @@ class Static:
             window_right=np.int64(self.window_right),
             has_segments=np.int64(self.has_segments),
             has_dropout=np.int64(self.has_dropout),
+            alibi=np.int64(self.alibi),
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             max_threads=np.int64(self.max_threads),
@@ -145,16 +151,19 @@ def _attention_bwd(static: Static, residuals, cotangents):
     # delta_i = sum_d dO_id O_id - dlse_i: the backward's per-row term (the lse's
     # cotangent enters dS = P * (dP - delta) like a constant shift).
     delta = jnp.swapaxes(jnp.sum(d_out * out, axis=-1), -1, -2) - d_lse  # [batch..., H, Tq]
+    *batch, tq, h, _ = q.shape
+    slope_rows = (*batch, h, tq) if static.alibi else (*batch, 1, 1)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, jnp.float32),
         jax.ShapeDtypeStruct(k.shape, jnp.float32),
         jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        jax.ShapeDtypeStruct(slope_rows, jnp.float32),
     )
     call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
-    dq, dk, dv = call(
+    dq, dk, dv, d_slope_rows = call(
         q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
-        aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale,
+        aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes,
         **static.attributes(backward=True),
     )  # fmt: skip
     d_sinks = jnp.zeros_like(aux.sinks)
@@ -162,7 +171,8 @@ def _attention_bwd(static: Static, residuals, cotangents):
         # d lse_i / d sink = p_sink,i = exp(sink - lse_i); d out_i / d sink = -p_sink,i out_i.
         p_sink = jnp.exp(aux.sinks[..., None] - lse)  # [batch..., H, Tq]
         d_sinks = -jnp.sum(p_sink * delta, axis=-1)
-    d_aux = Aux(None, None, None, None, d_sinks, None, None, None, None)
+    d_slopes = jnp.sum(d_slope_rows, axis=-1) if static.alibi else jnp.zeros_like(aux.slopes)
+    d_aux = Aux(None, None, None, None, d_sinks, None, None, None, None, d_slopes)
     return dq, dk, dv, d_aux
 
 

@@ -5,7 +5,8 @@ float32 and the output cast back): plain and causal attention (``is_causal``, al
 top-left as jattn's), local windows ``(left, right)`` (``right`` may be None), query and
 key lengths, segment ids (one array or separate query/key ids), grouped- and multi-query
 attention without repeating K/V, any leading batch dims, any head sizes (``Dv`` may differ
-from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` score_mod,
+from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` or
+:func:`jattn.mods.alibi` score_mod (plain or symmetric; the slopes get their gradient),
 dropout (jattn's position-keyed generator, :mod:`jattn._prng`, evaluated per weight inside
 the kernel: the same key drops the same weights as the dense and blockwise paths, and no
 mask is stored), and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
@@ -78,8 +79,12 @@ def obstacle(query: KernelQuery) -> str | None:
     ):
         if flag:
             return what
-    if query.score_mod is not None and mods.native_softcap(query.score_mod) is None:
-        return "a score_mod other than a bare jattn.mods.softcap (it cannot enter C++)"
+    if (
+        query.score_mod is not None
+        and mods.native_softcap(query.score_mod) is None
+        and not _alibi(query.score_mod)
+    ):
+        return "a score_mod other than a bare jattn.mods.softcap or alibi (it cannot enter C++)"
     name = jnp.dtype(query.dtype).name
     if name not in _DTYPES:
         return f"dtype {name} (cpu_fused computes in float32 from {', '.join(_DTYPES)})"
@@ -113,8 +118,24 @@ def _aux(q, k, ops, settings) -> _ops.Aux:
         q_seg=ids(ops.q_segments, tq),
         kv_seg=ids(ops.kv_segments, tk),
         sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
+        slopes=_slopes(batch, h, settings),
         **_dropout(batch, h, tq, ops, settings),
     )
+
+
+def _alibi(score_mod) -> int:
+    """0 without ALiBi; 1 for a bare :func:`jattn.mods.alibi`, 2 for its symmetric form."""
+    if not isinstance(score_mod, mods.Alibi):
+        return 0
+    return 2 if score_mod.symmetric else 1
+
+
+def _slopes(batch, h, settings):
+    """The ALiBi slopes ``[batch..., H]`` (an operand: their gradient flows back to the
+    caller's array), or a ``[batch..., 1]`` placeholder."""
+    if not _alibi(settings.score_mod):
+        return jnp.zeros((*batch, 1), jnp.float32)
+    return jnp.broadcast_to(settings.score_mod.slopes.astype(jnp.float32), (*batch, h))
 
 
 def _dropout(batch, h, tq, ops, settings) -> dict:
@@ -173,6 +194,7 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         has_segments=ops.q_segments is not None,
         has_sinks=ops.sinks is not None,
         has_dropout=ops.dropout_rng is not None,
+        alibi=_alibi(settings.score_mod),
         block_q=BLOCK_Q,
         block_k=BLOCK_K,
         max_threads=_threads(),

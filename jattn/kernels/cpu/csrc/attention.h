@@ -23,6 +23,7 @@ struct Params {
   bool causal;
   int64_t wl, wr;  // window left / right; -1: unlimited
   bool has_seg, has_sinks, has_dropout;
+  int64_t alibi;  // 0: none, 1: slope * (j - i), 2: symmetric, -slope * |j - i|
   int64_t bq, bk;  // tile sizes (bk a multiple of the ISA's micro-kernel width)
 };
 
@@ -37,6 +38,7 @@ struct Tensors {
   const int32_t* q_seg = nullptr;
   const int32_t* kv_seg = nullptr;
   const float* sinks = nullptr;
+  const float* slopes = nullptr;  // ALiBi [B, H]
   // Dropout (jattn._prng): each row's two Philox keys [B, H, Tq]; per batch row the keep
   // threshold on the top 24 bits and 1 / keep probability.
   const uint32_t* drop_k0 = nullptr;
@@ -52,6 +54,7 @@ struct Tensors {
   float* dq = nullptr;
   float* dk = nullptr;
   float* dv = nullptr;
+  float* dslope = nullptr;  // ALiBi [B, H, Tq]: each row's slope gradient
 };
 
 // One instruction set's kernels. Each work item is independent and computed in a fixed

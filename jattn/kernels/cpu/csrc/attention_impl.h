@@ -295,11 +295,35 @@ inline vi visible(const RowMask& rm, int64_t c, const int32_t* kseg) {
   return ok;
 }
 
-// The scaled (and soft-capped) logits of one row, in place; with a cap, tanh kept in t.
-inline void scaled_logits(const Params& p, float* s, int64_t ncols, float* t) {
+// Row i's ALiBi: its head's slope; the logit of key j gains slope * (j - i) (symmetric:
+// -slope * |j - i|).
+struct RowAlibi {
+  bool on, symmetric;
+  float slope;
+  int64_t i;
+};
+
+inline RowAlibi row_alibi(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t i) {
+  if (p.alibi == 0) return {false, false, 0.f, i};
+  return {true, p.alibi == 2, t.slopes[b * p.H + h], i};
+}
+
+inline vf alibi_distance(const RowAlibi& ra, int64_t key) {
+  vi d = iota() + static_cast<int32_t>(key - ra.i);
+  vf x = __builtin_convertvector(d, vf);
+  return ra.symmetric ? (x < splat(0.f) ? x : -x) : x;
+}
+
+// The scaled (ALiBi-biased or soft-capped) logits of one row starting at key j0, in place;
+// with a cap, tanh kept in t.
+inline void scaled_logits(const Params& p, float* s, int64_t ncols, float* t,
+                          const RowAlibi& ra, int64_t j0) {
   if (p.softcap == 0.f) {
-    const vf scale = splat(p.scale);
-    for (int64_t c = 0; c < ncols; c += W) store(s + c, load(s + c) * scale);
+    const vf scale = splat(p.scale), slope = splat(ra.slope);
+    for (int64_t c = 0; c < ncols; c += W) {
+      vf x = load(s + c) * scale;
+      store(s + c, ra.on ? x + slope * alibi_distance(ra, j0 + c) : x);
+    }
     return;
   }
   for (int64_t c = 0; c < ncols; ++c) {
@@ -324,9 +348,9 @@ inline Blocks blocks(const Params& p) {
 // One row of the online softmax: s (the row's logits, ncols) becomes P in place; m, l and
 // the output row o (length dv) are updated for the new running max.
 inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
-                        const int32_t* kseg, const RowDropout& rd, int64_t j0, float* m,
-                        float* l, float* o, int64_t dv) {
-  scaled_logits(p, s, ncols, nullptr);
+                        const int32_t* kseg, const RowDropout& rd, const RowAlibi& ra,
+                        int64_t j0, float* m, float* l, float* o, int64_t dv) {
+  scaled_logits(p, s, ncols, nullptr, ra, j0);
   vf vmax = splat(-kInf);
   for (int64_t c = 0; c < ncols; c += W) {
     vf x = load(s + c);
@@ -393,7 +417,9 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
     for (int64_t r = 0; r < nq; ++r) {
       const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
       const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
-      softmax_row(p, s + r * p.bk, ncols, rm, kseg, rd, j0, m + r, l + r, o + r * p.Dv, p.Dv);
+      const RowAlibi ra = row_alibi(p, t, b, h, i0 + r);
+      softmax_row(p, s + r * p.bk, ncols, rm, kseg, rd, ra, j0, m + r, l + r, o + r * p.Dv,
+                  p.Dv);
     }
     gemm(nq, p.Dv, nk, s, p.bk, 1, vp, v_rs, o, p.Dv, true);
   }
@@ -414,8 +440,9 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
 
 // P of one row from the saved lse (in place), tanh kept in t when soft-capping.
 inline void probabilities_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
-                              const int32_t* kseg, float lse, float* t) {
-  scaled_logits(p, s, ncols, t);
+                              const int32_t* kseg, float lse, float* t, const RowAlibi& ra,
+                              int64_t j0) {
+  scaled_logits(p, s, ncols, t, ra, j0);
   const vf lv = splat(lse);
   for (int64_t c = 0; c < ncols; c += W) {
     vf x = visible(rm, c, kseg) ? load(s + c) - lv : splat(-kInf);
@@ -424,10 +451,13 @@ inline void probabilities_row(const Params& p, float* s, int64_t ncols, const Ro
 }
 
 // dS = P * (Z dP - delta) (* (1 - tanh^2) when soft-capping) * scale, into dp, with Z the
-// dropout multipliers; with drop_p, P becomes Z P in place (for dV).
+// dropout multipliers; with drop_p, P becomes Z P in place (for dV). With dslope, the row's
+// ALiBi slope gradient sum_j dS_ij (j - i) (before the scale) is added to *dslope.
 inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, float delta,
-                        const float* t, const RowDropout& rd, int64_t j0, bool drop_p) {
+                        const float* t, const RowDropout& rd, int64_t j0, bool drop_p,
+                        const RowAlibi& ra, float* dslope) {
   const vf dv = splat(delta), sc = splat(p.scale);
+  vf slope_acc = vf{};
   for (int64_t c = 0; c < ncols; c += W) {
     vf pr = load(prob + c), g = load(dp + c);
     if (rd.on) {
@@ -435,8 +465,11 @@ inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, 
       g *= z;
       if (drop_p) store(prob + c, pr * z);
     }
-    store(dp + c, pr * (g - dv) * sc);
+    vf ds = pr * (g - dv);
+    if (dslope != nullptr) slope_acc += ds * alibi_distance(ra, j0 + c);
+    store(dp + c, ds * sc);
   }
+  if (dslope != nullptr) *dslope += hsum(slope_acc);
   if (p.softcap != 0.f)
     for (int64_t c = 0; c < ncols; ++c) dp[c] *= 1.f - t[c] * t[c];
 }
@@ -450,7 +483,7 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
 // S -> P and dP -> dS for one tile whose kt, vt and kseg are packed.
 void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
                    TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
-                   int64_t nk, int64_t ncols, bool drop_p) {
+                   int64_t nk, int64_t ncols, bool drop_p, bool slopes) {
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
   const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
   gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
@@ -460,9 +493,12 @@ void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const Bac
   for (int64_t r = 0; r < nq; ++r) {
     const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
     float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
-    probabilities_row(p, w.s + r * p.bk, ncols, rm, w.kseg, lse[r], th);
+    const RowAlibi ra = row_alibi(p, t, b, h, i0 + r);
+    probabilities_row(p, w.s + r * p.bk, ncols, rm, w.kseg, lse[r], th, ra, j0);
     const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
-    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, delta[r], th, rd, j0, drop_p);
+    float* dslope = slopes && ra.on ? t.dslope + (b * p.H + h) * p.Tq + i0 + r : nullptr;
+    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, delta[r], th, rd, j0, drop_p, ra,
+                dslope);
   }
 }
 
@@ -512,7 +548,7 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
       const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
       const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
       if (state == TileState::kEmpty) continue;
-      backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true);
+      backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, false);
       const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
       const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
       gemm(nk, p.Dv, nq, w.s, 1, p.bk, dop, p.H * p.Dv, dv, p.Dv, true);  // (Z P)^T dO
@@ -538,13 +574,14 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
   BackwardTile w = backward_scratch_tile(p, scratch);
   float* dq = backward_accumulators(p, scratch);  // [nq, D]
   std::fill(dq, dq + nq * p.D, 0.f);
+  if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq + i0, nq, 0.f);
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
     const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
-    backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, false);
+    backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, false, true);
     const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
     gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, dq, p.D, true);  // dS K
   }
@@ -564,9 +601,11 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
   BackwardTile w = backward_scratch_tile(p, scratch);
   float* dk = backward_accumulators(p, scratch);  // [bk, D]
   float* dv = dk + p.bk * p.D;                    // [bk, Dv]
-  for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+  for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
     for (int64_t i = 0; i < p.Tq; ++i)
       std::fill_n(t.dq + ((b * p.Tq + i) * p.H + h) * p.D, p.D, 0.f);
+    if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq, p.Tq, 0.f);
+  }
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
     const int64_t ncols = (nk + NR - 1) / NR * NR;
@@ -579,7 +618,7 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
         const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
         const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
         if (state == TileState::kEmpty) continue;
-        backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true);
+        backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, true);
         const int64_t row = (b * p.Tq + i0) * p.H + h;
         gemm(nk, p.Dv, nq, w.s, 1, p.bk, t.dout + row * p.Dv, p.H * p.Dv, dv, p.Dv, true);
         gemm(nk, p.D, nq, w.dp, 1, p.bk, t.q + row * p.D, p.H * p.D, dk, p.D, true);

@@ -114,8 +114,8 @@ void dims4(ffi::Span<const int64_t> d, int64_t* b, int64_t* t, int64_t* h, int64
 ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
                        ffi::Span<const int64_t> vd, ffi::Span<const int64_t> ktd, float scale, float softcap, int64_t causal,
                        int64_t window_left, int64_t window_right, int64_t has_seg,
-                       int64_t has_sinks, int64_t has_dropout, int64_t block_q, int64_t block_k,
-                       Params* p) {
+                       int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t block_q,
+                       int64_t block_k, Params* p) {
   int64_t kb, vb, vt, vk;
   if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
     return ffi::Error::InvalidArgument("jattn cpu attention: q, k, v need equal ranks >= 3");
@@ -134,6 +134,7 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   p->has_seg = has_seg != 0;
   p->has_sinks = has_sinks != 0;
   p->has_dropout = has_dropout != 0;
+  p->alibi = alibi;
   // The query tile: a multiple of the micro-kernel's rows unless asked for.
   p->bq = block_q > 0 ? block_q : 8 * isa().mr;
   p->bk = block_k;
@@ -150,16 +151,17 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> sinks,
                    ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                    ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
-                   float scale, float softcap, int64_t causal, int64_t window_left,
-                   int64_t window_right, int64_t has_seg, int64_t has_sinks, int64_t has_dropout,
-                   int64_t block_q, int64_t block_k,
+                   ffi::Buffer<ffi::F32> slopes, float scale, float softcap, int64_t causal,
+                   int64_t window_left, int64_t window_right, int64_t has_seg,
+                   int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t block_q,
+                   int64_t block_k,
                    int64_t max_threads, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
   Params p;
   ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
                                scale, softcap,
                                causal, window_left, window_right, has_seg, has_sinks,
-                               has_dropout, block_q, block_k, &p);
+                               has_dropout, alibi, block_q, block_k, &p);
   if (err.failure()) return err;
   Tensors t;
   t.q = q.typed_data();
@@ -175,6 +177,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   t.drop_k1 = drop_k1.typed_data();
   t.drop_threshold = drop_threshold.typed_data();
   t.drop_scale = drop_scale.typed_data();
+  t.slopes = slopes.typed_data();
   t.out = out->typed_data();
   t.lse = lse->typed_data();
   if (p.B * p.H * p.Tq == 0) return ffi::Error::Success();
@@ -193,16 +196,17 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                     ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                     ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
-                    float scale, float softcap, int64_t causal, int64_t window_left,
-                    int64_t window_right, int64_t has_seg, int64_t has_dropout, int64_t block_q,
-                    int64_t block_k, int64_t max_threads,
-                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                    ffi::ResultBuffer<ffi::F32> dv) {
+                    ffi::Buffer<ffi::F32> slopes, float scale, float softcap, int64_t causal,
+                    int64_t window_left, int64_t window_right, int64_t has_seg,
+                    int64_t has_dropout, int64_t alibi, int64_t block_q, int64_t block_k,
+                    int64_t max_threads, ffi::ResultBuffer<ffi::F32> dq,
+                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                    ffi::ResultBuffer<ffi::F32> dslope) {
   Params p;
   ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
                                scale, softcap,
                                causal, window_left, window_right, has_seg, 0, has_dropout,
-                               block_q, block_k, &p);
+                               alibi, block_q, block_k, &p);
   if (err.failure()) return err;
   Tensors t;
   t.q = q.typed_data();
@@ -221,9 +225,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   t.drop_k1 = drop_k1.typed_data();
   t.drop_threshold = drop_threshold.typed_data();
   t.drop_scale = drop_scale.typed_data();
+  t.slopes = slopes.typed_data();
   t.dq = dq->typed_data();
   t.dk = dk->typed_data();
   t.dv = dv->typed_data();
+  t.dslope = dslope->typed_data();
   const Isa& k_isa = isa();
   const int64_t threads = worker_count(pool, max_threads), scratch = k_isa.scratch_floats(p);
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, nkb = (p.Tk + p.bk - 1) / p.bk;
@@ -267,6 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // drop_k1
                                   .Arg<ffi::Buffer<ffi::U32>>()  // drop_threshold
                                   .Arg<ffi::Buffer<ffi::F32>>()  // drop_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // slopes
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -275,6 +282,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Attr<int64_t>("has_segments")
                                   .Attr<int64_t>("has_sinks")
                                   .Attr<int64_t>("has_dropout")
+                                  .Attr<int64_t>("alibi")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
                                   .Attr<int64_t>("max_threads")
@@ -300,6 +308,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // drop_k1
                                   .Arg<ffi::Buffer<ffi::U32>>()  // drop_threshold
                                   .Arg<ffi::Buffer<ffi::F32>>()  // drop_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // slopes
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -307,12 +316,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Attr<int64_t>("window_right")
                                   .Attr<int64_t>("has_segments")
                                   .Attr<int64_t>("has_dropout")
+                                  .Attr<int64_t>("alibi")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
                                   .Attr<int64_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dk
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dslope
 
 extern "C" {
 __attribute__((visibility("default"))) const char* jattn_cpu_isa() {
