@@ -144,17 +144,11 @@ def tile_indices(*, n, k_heads, groups, head_offset, q_len, kv_len, row0, rows, 
     q = jnp.minimum(row0 + jnp.arange(rows, dtype=i32), q_len - 1)
     kv = jnp.minimum(col0 + jnp.arange(cols, dtype=i32), kv_len - 1)
     if key_major:
-        return (
-            b,
-            h.reshape(1, k_heads, 1, groups, 1),
-            q.reshape(1, 1, 1, 1, rows),
-            kv.reshape(1, 1, cols, 1, 1),
+        return b, h.reshape(1, k_heads, 1, groups, 1), q.reshape(1, 1, 1, 1, rows), kv.reshape(
+            1, 1, cols, 1, 1
         )
-    return (
-        b,
-        h.reshape(1, k_heads, groups, 1, 1),
-        q.reshape(1, 1, 1, rows, 1),
-        kv.reshape(1, 1, 1, 1, cols),
+    return b, h.reshape(1, k_heads, groups, 1, 1), q.reshape(1, 1, 1, rows, 1), kv.reshape(
+        1, 1, 1, 1, cols
     )
 
 

@@ -79,14 +79,8 @@ def _axis(length: int, fwd: int, bwd: int, shrink: bool) -> tuple[int, int, int]
     return padded, fwd, bwd
 
 
-def tiles_for(
-    q_len: int,
-    kv_len: int,
-    fwd: tuple[int, int],
-    bwd: tuple[int, int],
-    diag: int,
-    shrink: bool = True,
-) -> Tiles:
+def tiles_for(q_len: int, kv_len: int, fwd: tuple[int, int], bwd: tuple[int, int], diag: int,
+              shrink: bool = True) -> Tiles:
     """:class:`Tiles` from requested forward / backward tiles (capped and made to divide)."""
     padded_q, fwd_q, bwd_q = _axis(q_len, fwd[0], bwd[0], shrink)
     padded_kv, fwd_k, bwd_k = _axis(kv_len, fwd[1], bwd[1], shrink)

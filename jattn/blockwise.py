@@ -986,7 +986,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # Entry points
 # ----------------------------------------------------------------------------------------
 
-
 def blockwise_attention(
     query: Array,
     key: Array,
@@ -1052,7 +1051,9 @@ def blockwise_attention(
     return attention(query, key, value, ops, settings, block_q=block_q, block_k=block_k)[0]
 
 
-def attention(query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None):
+def attention(
+    query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None
+):
     """Blockwise attention of a validated call (see :mod:`jattn._call`).
 
     Returns:
@@ -1144,9 +1145,7 @@ def head_groups(cfg: Config) -> int:
     return math.gcd(cfg.kv_heads, min(_SPLIT_CORES, 2))
 
 
-_SPLIT_CORES = (
-    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-)
+_SPLIT_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _modifiers(cfg: Config, aux: Aux, ops: Operands, settings: Settings, mask_rest, batch, dtype):
@@ -1261,3 +1260,4 @@ def _aux(cfg: Config, ops: Operands, batch: tuple[int, ...], dtype) -> Aux:
             keep_prob=jnp.asarray(keep_prob, _softmax_dtype(dtype)),
         )
     return aux
+

@@ -962,7 +962,9 @@ def split_to_wrapper(
             f"variables['params'] must be MultiHeadAttention params; missing {missing}."
         )
     num_heads = _checks.size(num_heads, "num_heads")
-    num_kv_heads = num_heads if num_kv_heads is None else _checks.size(num_kv_heads, "num_kv_heads")
+    num_kv_heads = (
+        num_heads if num_kv_heads is None else _checks.size(num_kv_heads, "num_kv_heads")
+    )
     d_out = np.shape(params["W_query"]["kernel"])[-1]
     d_kv = np.shape(params["W_key"]["kernel"])[-1]
     if num_heads < 1 or d_out % num_heads:

@@ -45,7 +45,9 @@ def combined_mask(ops: Operands, settings: Settings, shape: tuple[int, ...]) -> 
         parts.append(masks_lib.causal_mask(q_len, kv_len))
     if settings.window is not None:
         left, right = settings.window
-        parts.append(masks_lib.sliding_window_mask(q_len, kv_len, local_window_size=(left, right)))
+        parts.append(
+            masks_lib.sliding_window_mask(q_len, kv_len, local_window_size=(left, right))
+        )
     if ops.q_lengths is not None:
         valid = masks_lib.lengths_to_valid(ops.q_lengths, q_len)
         parts.append(masks_lib.padding_mask(query_valid=valid))
@@ -182,9 +184,7 @@ def dropout_weights(weights: Array, ops: Operands, settings: Settings) -> Array:
     return jnp.where(keep, scaled, jnp.zeros((), weights.dtype))
 
 
-def attention(
-    query, key, value, ops: Operands, settings: Settings, extras: DenseExtras = NO_EXTRAS
-):
+def attention(query, key, value, ops: Operands, settings: Settings, extras: DenseExtras = NO_EXTRAS):
     """Dense attention of validated inputs (see :mod:`jattn._call`).
 
     Args:

@@ -90,8 +90,7 @@ def _check_room(model: LanguageModel, prompt_len: int, max_new_tokens, window=No
             f"{needed} positions, more than cfg['context_length'] = {context}. The book's "
             "generate_text_simple crops the prompt instead: pass at most the last "
             f"{max(context - max_new_tokens + 1, 1)} prompt tokens, or ask for fewer new "
-            "tokens"
-            + (
+            "tokens" + (
                 "; GPT-2's position embedding ends at the context, so window= cannot extend it."
                 if model.positions_limited
                 else ", or pass window= (a rolling KV cache, sliding-window attention)."
