@@ -63,7 +63,7 @@ from flax import nnx
 import jattn
 import jattn.linen
 import jattn.nnx
-from jattn import _prng
+from jattn import _prng, kernels
 
 try:  # optional peer; never a dependency of jattn
     import torch
@@ -72,6 +72,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCKWISE = "jattn blockwise"
+FUSED = "jattn cpu_fused"  # jattn's fused CPU kernel (issue 25), where it was built
 
 
 # ----------------------------------------------------------------------------------------
@@ -289,6 +290,10 @@ def core_functions() -> dict[str, Callable]:
         ),
         "flax.linen": flax_linen,
     }
+    if jax.default_backend() == "cpu" and kernels.adapter("cpu_fused").available("cpu"):
+        fns[FUSED] = functools.partial(
+            jattn.dot_product_attention, is_causal=True, implementation="cpu_fused"
+        )
     if jax.default_backend() == "gpu":
         # cuDNN's fused kernel takes float16/bfloat16 only: cast in, cast the result back.
         def cudnn(q, k, v):
@@ -340,7 +345,7 @@ def bench_core(lengths, *, batch, heads, head_dim, rounds, dense_max_len, log):
             cands = []
             for name, fn in fns.items():
                 f = fn if mode == "fwd" else grad_of_sum(fn)
-                if name != BLOCKWISE and t > dense_max_len:
+                if name not in (BLOCKWISE, FUSED) and t > dense_max_len:
                     memory[(mode, t, name)] = memory_only(f, q, k, v)  # too slow to time here
                     continue
                 cand = jax_candidate(name, f, q, k, v)
@@ -594,6 +599,8 @@ def core_rates_report(results, lengths, core_dims) -> list[str]:
         "sgemm GFLOP/s",
         "blockwise GFLOP/s",
         "blockwise / sgemm",
+        "cpu_fused GFLOP/s",
+        "cpu_fused / sgemm",
         "torch sdpa GFLOP/s",
         "torch / sgemm",
     ]
@@ -603,7 +610,7 @@ def core_rates_report(results, lengths, core_dims) -> list[str]:
             by = {c.name: c for c in results[(mode, t)]}
             flops = attention_flops(t, backward=mode == "fwd+bwd", **core_dims)
             row = [str(t), mode, f"{sgemm_gflops(by[SGEMM]):.0f}"]
-            for name in (BLOCKWISE, "torch sdpa"):
+            for name in (BLOCKWISE, FUSED, "torch sdpa"):
                 if name in by:
                     frac = sgemm_fraction(by[name], by[SGEMM], flops)
                     row += [f"{flops / by[name].median_s / 1e9:.0f}", f"{100 * frac:.0f}%"]
@@ -758,6 +765,10 @@ def core_goals(results, memory, lengths, *, quick, core_dims) -> tuple[list[Goal
                 r = paired_ratio(by[BLOCKWISE], by["torch sdpa"])
                 text = f"core T={t} {mode} <= 1.0x torch sdpa (issue 15; stretch 0.8x)"
                 goals.append(Goal(text, fmt_ratio(r), r <= 1.0))
+            if "torch sdpa" in by and FUSED in by:
+                r = paired_ratio(by[FUSED], by["torch sdpa"])
+                text = f"core T={t} {mode} cpu_fused <= 1.0x torch sdpa (issue 25; stretch 0.8x)"
+                goals.append(Goal(text, fmt_ratio(r), r <= 1.0))
     goal_t = 4096 if not quick else lengths[-1]
     if ("fwd", goal_t) in results:
         by = {c.name: c for c in results[("fwd", goal_t)]}
@@ -765,6 +776,10 @@ def core_goals(results, memory, lengths, *, quick, core_dims) -> tuple[list[Goal
         frac = sgemm_fraction(by[BLOCKWISE], by[SGEMM], flops)
         text = f"core T={goal_t} fwd >= 55% of the sgemm rate (issue 15)"
         goals.append(Goal(text, f"{100 * frac:.0f}%", frac >= 0.55))
+        if FUSED in by:
+            frac = sgemm_fraction(by[FUSED], by[SGEMM], flops)
+            text = f"core T={goal_t} fwd cpu_fused >= 80% of the sgemm rate (issue 25)"
+            goals.append(Goal(text, f"{100 * frac:.0f}%", frac >= 0.80))
         for mode, bound in (("fwd", 0.6), ("fwd+bwd", 0.8)):
             by = {c.name: c for c in results[(mode, goal_t)]}
             if "jax.nn (xla)" in by:

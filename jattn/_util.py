@@ -26,7 +26,9 @@ Array = jax.Array
 
 # The one list of `implementation=` names: jattn._checks validates against it, the public
 # entry's type is it, jattn._routing routes each (``'xla'`` is an alias of ``'dense'``).
-Implementation = Literal["dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash", "pallas"]
+Implementation = Literal[
+    "dense", "blockwise", "xla", "cudnn", "pallas_triton", "splash", "pallas", "cpu_fused"
+]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 ALIASES = {"xla": "dense"}  # jax.nn's names
 OWN_PATHS = ("dense", "blockwise")  # jattn's XLA paths; every other name is a kernel adapter

@@ -771,7 +771,7 @@ def update_and_attend(
         return paged.update_and_attend(
             cache, query, key, value, num_new=num_new, mask=mask, is_causal=is_causal,
             local_window_size=local_window_size, score_mod=score_mod, mask_mod=mask_mod,
-            causal=causal, window=window, **attention_kwargs,
+            **attention_kwargs,
         )  # fmt: skip
     cache = _check_cache(cache)
     is_causal, window, mask = _mask_options(is_causal, local_window_size, mask)

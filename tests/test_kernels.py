@@ -640,8 +640,10 @@ def test_interpret_not_requested_when_unset(monkeypatch):
 
 
 def test_adapter_lookup():
+    from jattn.kernels.cpu import adapter as cpu_adapter  # tests/test_cpu_kernel.py checks it
+
     for name in kernels.KERNELS:
-        assert kernels.adapter(name) is ADAPTERS[name]
+        assert kernels.adapter(name) is {**ADAPTERS, "cpu_fused": cpu_adapter}[name]
     with pytest.raises(ValueError, match="no kernel adapter named 'flash'"):
         kernels.adapter("flash")
 

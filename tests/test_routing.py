@@ -188,12 +188,17 @@ def test_tpu_falls_back_for_float16(monkeypatch):
     assert route_of(monkeypatch, *long) == "blockwise"
 
 
-def test_cpu_rule_is_unchanged_and_never_interprets(monkeypatch, interpret_mode):
-    """On CPU: dense below 256 tokens, blockwise from there; no kernel even in interpret mode."""
+def test_cpu_rule_and_never_interprets(monkeypatch, interpret_mode):
+    """On CPU: jattn's fused kernel (where it was built) from 128 keys for the calls it
+    takes; else dense below 256 tokens, blockwise from there; no Pallas kernel even in
+    interpret mode."""
     on_backend(monkeypatch, "cpu")
-    assert _routing.AUTO_MIN_LEN == 256
-    assert route_of(monkeypatch, *qkv(t=255), is_causal=True) == "dense"
-    assert route_of(monkeypatch, *qkv(t=256), is_causal=True) == "blockwise"
+    assert _routing.AUTO_MIN_LEN == 256 and _routing.CPU_FUSED_MIN_KV_LEN == 128
+    fused = "cpu_fused" if kernels.adapter("cpu_fused").available("cpu") else None
+    assert route_of(monkeypatch, *qkv(t=127), is_causal=True) == "dense"
+    assert route_of(monkeypatch, *qkv(t=128), is_causal=True) == (fused or "dense")
+    assert route_of(monkeypatch, *qkv(t=256), is_causal=True) == (fused or "blockwise")
+    assert route_of(monkeypatch, *qkv(t=255), bias=jnp.zeros((255, 255))) == "dense"
     assert route_of(monkeypatch, *qkv(t=256), bias=jnp.zeros((256, 256))) == "blockwise"
     # Asked for by name, the Pallas kernels run there in interpret mode.
     assert route_of(monkeypatch, *qkv(), implementation="splash") == "splash"

@@ -22,6 +22,9 @@ The kernels:
 
 :func:`lowering_platforms` makes the routing choose one route per platform, at lowering
 time, for programs lowered or exported for other platforms than the host's.
+* :mod:`jattn.kernels.cpu.adapter`: jattn's own fused CPU kernel (C++ through XLA's FFI,
+  ``implementation='cpu_fused'``); ``jattn.kernels.cpu.status()`` says whether it was
+  built and loads, or why not.
 
 No module here imports a kernel at import time: jax's kernel modules load on first use
 (the Pallas GPU module warns of its deprecation on import from jax 0.12 on).
@@ -74,6 +77,8 @@ def adapter(name: str) -> Kernel:
         from jattn.kernels import splash as module
     elif name == "pallas":
         from jattn.kernels import pallas as module
+    elif name == "cpu_fused":
+        from jattn.kernels.cpu import adapter as module
     else:
         raise ValueError(f"no kernel adapter named {name!r}; expected one of {KERNELS}.")
     return module

@@ -1,0 +1,179 @@
+"""The kernel as a differentiable jax function: ``jax.ffi.ffi_call`` inside a custom VJP.
+
+:func:`attention` takes float32 ``q [batch..., Tq, H, D]``, ``k [batch..., Tk, K, D]``,
+``v [batch..., Tk, K, Dv]`` and the per-batch operands of :class:`Aux`, every one with the
+same leading ``batch...`` (so ``vmap``, through ``vmap_method="broadcast_all"``, adds one
+more leading axis to all of them and the kernel flattens them together). It returns
+``out [batch..., Tq, H, Dv]`` and ``lse [batch..., H, Tq]``, both float32; both are
+differentiable (the backward kernel takes the lse's cotangent in ``delta``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.kernels.cpu import _library
+
+Array = jax.Array
+
+# From this many queries on, the forward reads K^T from one transposed copy of the keys
+# (register-blocked tile products); below it, dot products against the keys in place.
+TRANSPOSE_MIN_QUERIES = 16
+
+
+class Aux(NamedTuple):
+    """The per-batch operands (each with the call's leading ``batch...``).
+
+    Attributes:
+      q_len, kv_len: int32 ``[batch...]`` (the full lengths when the call has none).
+      q_seg, kv_seg: int32 ``[batch..., Tq]``, ``[batch..., Tk]`` (``[batch..., 1]``
+        placeholders, never read, without segment ids).
+      sinks: float32 ``[batch..., H]`` (a ``[batch..., 1]`` placeholder without sinks).
+      drop_k0, drop_k1: uint32 ``[batch..., H, Tq]``: each row's dropout keys
+        (:func:`jattn._prng.row_keys`; ``[batch..., 1, 1]`` placeholders without dropout).
+      drop_threshold: uint32 ``[batch...]`` (:func:`jattn._prng.keep_threshold`).
+      drop_scale: float32 ``[batch...]``: 1 / keep probability.
+      slopes: float32 ``[batch..., H]``: ALiBi slopes (a ``[batch..., 1]`` placeholder
+        without ALiBi).
+    """
+
+    q_len: Array
+    kv_len: Array
+    q_seg: Array
+    kv_seg: Array
+    sinks: Array
+    drop_k0: Array
+    drop_k1: Array
+    drop_threshold: Array
+    drop_scale: Array
+    slopes: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """The compile-time options (FFI attributes) of one call.
+
+    Attributes:
+      scale: the logit multiplier.
+      softcap: ``cap`` of ``cap * tanh(logits / cap)``, or 0.0 for none.
+      causal: query ``i`` sees keys ``j <= i``.
+      window_left, window_right: the local window, -1 for no limit on that side.
+      has_segments, has_sinks, has_dropout: whether ``Aux``'s segment ids, sinks and dropout
+        operands are real.
+      block_q, block_k: tile sizes.
+      alibi: 0 (none), 1 (``slope * (j - i)``) or 2 (symmetric, ``-slope * |j - i|``).
+      max_threads: most workers per call (0: every thread of XLA's intra-op pool).
+    """
+
+    scale: float
+    softcap: float
+    causal: bool
+    window_left: int
+    window_right: int
+    has_segments: bool
+    has_sinks: bool
+    has_dropout: bool
+    alibi: int
+    block_q: int
+    block_k: int
+    max_threads: int
+
+    def attributes(self, *, backward: bool) -> dict:
+        attrs = dict(
+            scale=np.float32(self.scale),
+            softcap=np.float32(self.softcap),
+            causal=np.int64(self.causal),
+            window_left=np.int64(self.window_left),
+            window_right=np.int64(self.window_right),
+            has_segments=np.int64(self.has_segments),
+            has_dropout=np.int64(self.has_dropout),
+            alibi=np.int64(self.alibi),
+            block_q=np.int64(self.block_q),
+            block_k=np.int64(self.block_k),
+            max_threads=np.int64(self.max_threads),
+        )
+        if not backward:
+            attrs["has_sinks"] = np.int64(self.has_sinks)
+        return attrs
+
+
+def transposed(x: Array, block: int) -> Array:
+    """``[batch..., Tk, K, E] -> [batch..., K, E, Tkp]``, zero-padded to a multiple of ``block``.
+
+    The kernel's products against keys read K^T (and the backward's V^T) tiles from this
+    one transposed copy instead of transposing every tile.
+    """
+    tk = x.shape[-3]
+    x = jnp.moveaxis(x, -3, -1)
+    pad = -tk % block
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x
+
+
+def _forward_call(q, k, v, aux: Aux, static: Static):
+    if _library.library() is None:  # the adapter refuses first; this is a safety net
+        raise RuntimeError(f"jattn's fused CPU kernel is {_library.status()}")
+    *batch, tq, h, _ = q.shape
+    dv = v.shape[-1]
+    out_types = (
+        jax.ShapeDtypeStruct((*batch, tq, h, dv), jnp.float32),
+        jax.ShapeDtypeStruct((*batch, h, tq), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(_library.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
+    if q.shape[-3] >= TRANSPOSE_MIN_QUERIES:
+        kt = transposed(k, static.block_k)
+    else:  # decoding: the kernel reads the keys in place (a copy would cost more than it saves)
+        kt = jnp.zeros((*batch, 1), jnp.float32)
+    return call(q, k, v, kt, *aux, **static.attributes(backward=False))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention(q: Array, k: Array, v: Array, aux: Aux, static: Static) -> tuple[Array, Array]:
+    """``(out, lse)`` of the fused kernel (shapes: module docstring)."""
+    return _forward_call(q, k, v, aux, static)
+
+
+def _attention_fwd(q, k, v, aux, static):
+    out, lse = _forward_call(q, k, v, aux, static)
+    return (out, lse), (q, k, v, aux, out, lse)
+
+
+def _attention_bwd(static: Static, residuals, cotangents):
+    q, k, v, aux, out, lse = residuals
+    d_out, d_lse = cotangents
+    # delta_i = sum_d dO_id O_id - dlse_i: the backward's per-row term (the lse's
+    # cotangent enters dS = P * (dP - delta) like a constant shift).
+    delta = jnp.swapaxes(jnp.sum(d_out * out, axis=-1), -1, -2) - d_lse  # [batch..., H, Tq]
+    *batch, tq, h, _ = q.shape
+    slope_rows = (*batch, h, tq) if static.alibi else (*batch, 1, 1)
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct(k.shape, jnp.float32),
+        jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        jax.ShapeDtypeStruct(slope_rows, jnp.float32),
+    )
+    call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
+    dq, dk, dv, d_slope_rows = call(
+        q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
+        aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes,
+        **static.attributes(backward=True),
+    )  # fmt: skip
+    d_sinks = jnp.zeros_like(aux.sinks)
+    if static.has_sinks:
+        # d lse_i / d sink = p_sink,i = exp(sink - lse_i); d out_i / d sink = -p_sink,i out_i.
+        p_sink = jnp.exp(aux.sinks[..., None] - lse)  # [batch..., H, Tq]
+        d_sinks = -jnp.sum(p_sink * delta, axis=-1)
+    d_slopes = jnp.sum(d_slope_rows, axis=-1) if static.alibi else jnp.zeros_like(aux.slopes)
+    d_aux = Aux(None, None, None, None, d_sinks, None, None, None, None, d_slopes)
+    return dq, dk, dv, d_aux
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,204 @@
+"""jattn's fused CPU attention kernel (``implementation='cpu_fused'``) behind the adapter contract.
+
+What runs fused (float32 arithmetic; float32, bfloat16 and float16 inputs are cast to
+float32 and the output cast back): plain and causal attention (``is_causal``, aligned
+top-left as jattn's), local windows ``(left, right)`` (``right`` may be None), query and
+key lengths, segment ids (one array or separate query/key ids), grouped- and multi-query
+attention without repeating K/V, any leading batch dims, any head sizes (``Dv`` may differ
+from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` or
+:func:`jattn.mods.alibi` score_mod (plain or symmetric; the slopes get their gradient),
+dropout (jattn's position-keyed generator, :mod:`jattn._prng`, evaluated per weight inside
+the kernel: the same key drops the same weights as the dense and blockwise paths, and no
+mask is stored), and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
+skipped; rows that attend nothing give zero output, zero gradients and
+:func:`jattn.large_negative` as their lse, as every jattn path.
+
+Refused (routing falls back to the blockwise or dense path): mask and bias arrays, any
+other ``score_mod``/``mask_mod`` callable, a ``block_mask``, float64, a
+traced scale, an explicit matmul precision, the weight matrix. ``JATTN_CPU_THREADS=n``
+caps the kernel's workers (default: XLA's whole intra-op pool).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jattn import _prng, mods
+from jattn.kernels import KernelQuery
+from jattn.kernels.cpu import _library, _ops
+
+__all__ = [
+    "LSE_HAS_GRADIENT",
+    "NAME",
+    "RETURNS_LSE",
+    "THREADS_ENV",
+    "attention",
+    "available",
+    "obstacle",
+    "status",
+]
+
+NAME = "cpu_fused"
+RETURNS_LSE = True
+LSE_HAS_GRADIENT = True
+THREADS_ENV = "JATTN_CPU_THREADS"
+_DTYPES = ("float32", "bfloat16", "float16")
+# Tile sizes: query rows (0: the kernel's choice, 8 micro-kernel rows: 96 with AVX-512,
+# 48 otherwise) and keys (a multiple of every build's micro-kernel width, 32).
+BLOCK_Q = 0
+BLOCK_K = 128
+
+status = _library.status
+
+
+def available(platform: str) -> bool:
+    """True on CPU when the kernel library was built and loads."""
+    return platform == "cpu" and _library.library() is not None
+
+
+def obstacle(query: KernelQuery) -> str | None:
+    """Why the fused CPU kernel cannot honour the call (None: it can)."""
+    if query.platform != "cpu":
+        return f"it runs on CPU only (platform: {query.platform})"
+    if _library.library() is None:
+        return _library.status()
+    if query.needs_dense is not None:
+        return query.needs_dense
+    for flag, what in (
+        (query.has_mask, "a mask array (cpu_fused builds causal, window, lengths, segments)"),
+        (query.has_bias, "a bias array (not in cpu_fused yet)"),
+        (query.block_mask, "a block_mask (not in cpu_fused yet)"),
+        (query.mask_mod is not None, "a mask_mod callable (it cannot enter C++)"),
+        (query.traced_scale, "a traced scale (cpu_fused compiles the scale in)"),
+        (not query.default_precision, "an explicit matmul precision (cpu_fused computes fp32)"),
+    ):
+        if flag:
+            return what
+    if (
+        query.score_mod is not None
+        and mods.native_softcap(query.score_mod) is None
+        and not _alibi(query.score_mod)
+    ):
+        return "a score_mod other than a bare jattn.mods.softcap or alibi (it cannot enter C++)"
+    name = jnp.dtype(query.dtype).name
+    if name not in _DTYPES:
+        return f"dtype {name} (cpu_fused computes in float32 from {', '.join(_DTYPES)})"
+    return None
+
+
+def _threads() -> int:
+    value = os.environ.get(THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def _aux(q, k, ops, settings) -> _ops.Aux:
+    """Every per-batch operand broadcast to the call's batch dims (see :mod:`._ops`)."""
+    batch = q.shape[:-3]
+    tq, h, tk = q.shape[-3], q.shape[-2], k.shape[-3]
+
+    def lengths(x, full):
+        x = jnp.full((), full, jnp.int32) if x is None else x.astype(jnp.int32)
+        return jnp.broadcast_to(x, batch)
+
+    def ids(x, length):
+        if x is None:
+            return jnp.zeros((*batch, 1), jnp.int32)
+        return jnp.broadcast_to(x.astype(jnp.int32), (*batch, length))
+
+    sinks = ops.sinks
+    sinks = jnp.zeros((*batch, 1), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    return _ops.Aux(
+        q_len=lengths(ops.q_lengths, tq),
+        kv_len=lengths(ops.kv_lengths, tk),
+        q_seg=ids(ops.q_segments, tq),
+        kv_seg=ids(ops.kv_segments, tk),
+        sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
+        slopes=_slopes(batch, h, settings),
+        **_dropout(batch, h, tq, ops, settings),
+    )
+
+
+def _alibi(score_mod) -> int:
+    """0 without ALiBi; 1 for a bare :func:`jattn.mods.alibi`, 2 for its symmetric form."""
+    if not isinstance(score_mod, mods.Alibi):
+        return 0
+    return 2 if score_mod.symmetric else 1
+
+
+def _slopes(batch, h, settings):
+    """The ALiBi slopes ``[batch..., H]`` (an operand: their gradient flows back to the
+    caller's array), or a ``[batch..., 1]`` placeholder."""
+    if not _alibi(settings.score_mod):
+        return jnp.zeros((*batch, 1), jnp.float32)
+    return jnp.broadcast_to(settings.score_mod.slopes.astype(jnp.float32), (*batch, h))
+
+
+def _dropout(batch, h, tq, ops, settings) -> dict:
+    """The dropout operands of :class:`._ops.Aux`: jattn._prng's row keys, numbered as the
+    dense mask ``[batch..., H, Tq, Tk]`` numbers its rows (shared axes count as size 1),
+    so the kernel drops exactly what the dense and blockwise paths drop."""
+    if ops.dropout_rng is None:
+        u32 = jnp.zeros((*batch, 1, 1), jnp.uint32)
+        return dict(drop_k0=u32, drop_k1=u32, drop_threshold=jnp.zeros(batch, jnp.uint32),
+                    drop_scale=jnp.ones(batch, jnp.float32))  # fmt: skip
+    over_batch, over_heads = settings.dropout_shared
+    u32 = jnp.uint32
+    row = lax.broadcasted_iota(u32, (1, 1, tq), 2)
+    if not over_heads:
+        row = row + lax.broadcasted_iota(u32, (1, h, 1), 1) * np.uint32(tq)
+    if not over_batch:
+        n = math.prod(batch)
+        per_batch = np.uint32(((1 if over_heads else h) * tq) % 2**32)
+        row = row + lax.broadcasted_iota(u32, (n, 1, 1), 0) * per_batch
+    k0, k1 = _prng.row_keys(_prng.key_words(ops.dropout_rng), row)
+    keep = 1.0 - ops.dropout_rate
+
+    def per_row(x):  # [N|1, H|1, Tq] -> [batch..., H, Tq]
+        return jnp.broadcast_to(x, (math.prod(batch), h, tq)).reshape(*batch, h, tq)
+
+    return dict(
+        drop_k0=per_row(k0),
+        drop_k1=per_row(k1),
+        drop_threshold=jnp.broadcast_to(_prng.keep_threshold(keep), batch),
+        drop_scale=jnp.broadcast_to((1.0 / jnp.asarray(keep, jnp.float32)), batch),
+    )
+
+
+def attention(q, k, v, ops, settings, *, interpret: bool):
+    """The fused kernel with jattn's semantics (what it takes: module docstring).
+
+    Args:
+      q: ``[batch..., Tq, H, D]``; k: ``[batch..., Tk, K, D]``; v: ``[batch..., Tk, K, Dv]``
+        (``H % K == 0``), float32, bfloat16 or float16.
+      ops, settings: the validated call (:mod:`jattn._call`); see :func:`obstacle` for
+        what it may hold.
+      interpret: unused (a native kernel).
+
+    Returns:
+      ``(out [batch..., Tq, H, Dv]`` in q's dtype, ``lse [batch..., H, Tq]`` float32).
+    """
+    del interpret
+    left, right = settings.window if settings.window is not None else (-1, -1)
+    cap = mods.native_softcap(settings.score_mod)
+    static = _ops.Static(
+        scale=float(ops.scale),
+        softcap=0.0 if cap is None else float(cap),
+        causal=bool(settings.is_causal),
+        window_left=int(left),
+        window_right=-1 if right is None else int(right),
+        has_segments=ops.q_segments is not None,
+        has_sinks=ops.sinks is not None,
+        has_dropout=ops.dropout_rng is not None,
+        alibi=_alibi(settings.score_mod),
+        block_q=BLOCK_Q,
+        block_k=BLOCK_K,
+        max_threads=_threads(),
+    )
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = _ops.attention(*f32, _aux(q, k, ops, settings), static)
+    return out.astype(q.dtype), lse

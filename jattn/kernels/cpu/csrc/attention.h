@@ -1,0 +1,80 @@
+// jattn's fused CPU attention: what the FFI handlers (ffi.cc) and the per-ISA kernels share.
+//
+// Layouts (row-major, batch dims flattened to B by the handlers):
+//   q [B, Tq, H, D], k [B, Tk, K, D], v [B, Tk, K, Dv], out [B, Tq, H, Dv], lse [B, H, Tq];
+//   kt [B, K, D, Tkp], vt [B, K, Dv, Tkp] (k, v transposed and zero-padded to Tkp keys);
+//   q_len, kv_len int32 [B]; q_seg int32 [B, Tq], kv_seg int32 [B, Tk]; sinks float [B, H].
+// Query i of batch b sees key j iff i < q_len[b], j < kv_len[b], (not causal or j <= i),
+// (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr) and (no segments or q_seg[i] == kv_seg[j]).
+// Dropout keeps weight (i, j) iff top24(mix(mix(j ^ k0[i]) ^ k1[i])) < threshold, with jattn's
+// position-keyed generator (jattn/_prng.py), so the mask is the blockwise and dense paths'.
+#ifndef JATTN_KERNELS_CPU_ATTENTION_H_
+#define JATTN_KERNELS_CPU_ATTENTION_H_
+
+#include <cstdint>
+
+namespace jattn {
+
+struct Params {
+  int64_t B, Tq, Tk, H, K, D, Dv;
+  int64_t Tkp;  // Tk padded to a multiple of bk: the row length of kt and vt
+  float scale;
+  float softcap;  // 0: none; else logits become softcap * tanh(logits / softcap)
+  bool causal;
+  int64_t wl, wr;  // window left / right; -1: unlimited
+  bool has_seg, has_sinks, has_dropout;
+  int64_t alibi;  // 0: none, 1: slope * (j - i), 2: symmetric, -slope * |j - i|
+  int64_t bq, bk;  // tile sizes (bk a multiple of the ISA's micro-kernel width)
+};
+
+struct Tensors {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const float* kt = nullptr;  // [B, K, D, Tkp]: the keys transposed (XLA did it), zero-padded
+  const float* vt = nullptr;  // [B, K, Dv, Tkp]: the values transposed (backward only)
+  const int32_t* q_len = nullptr;
+  const int32_t* kv_len = nullptr;
+  const int32_t* q_seg = nullptr;
+  const int32_t* kv_seg = nullptr;
+  const float* sinks = nullptr;
+  const float* slopes = nullptr;  // ALiBi [B, H]
+  // Dropout (jattn._prng): each row's two Philox keys [B, H, Tq]; per batch row the keep
+  // threshold on the top 24 bits and 1 / keep probability.
+  const uint32_t* drop_k0 = nullptr;
+  const uint32_t* drop_k1 = nullptr;
+  const uint32_t* drop_threshold = nullptr;
+  const float* drop_scale = nullptr;
+  // forward outputs
+  float* out = nullptr;
+  float* lse = nullptr;
+  // backward inputs (lse above is then an input) and outputs
+  const float* dout = nullptr;
+  const float* delta = nullptr;  // [B, H, Tq]: rowsum(dout * out) - (lse cotangent)
+  float* dq = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  float* dslope = nullptr;  // ALiBi [B, H, Tq]: each row's slope gradient
+};
+
+// One instruction set's kernels. Each work item is independent and computed in a fixed
+// order, so results do not depend on the number of threads or on scheduling.
+struct Isa {
+  const char* name;
+  int64_t nr;                                   // micro-kernel width: bk's multiple
+  int64_t mr;                                   // micro-kernel rows
+  int64_t (*scratch_floats)(const Params&);     // per-thread scratch size
+  void (*forward_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*backward_kv_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*backward_q_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*backward_head_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+};
+
+// The kernels of each build (attention_<isa>.cc); avx512 and avx2 are null off x86-64.
+const Isa* isa_generic();
+const Isa* isa_avx2();
+const Isa* isa_avx512();
+
+}  // namespace jattn
+
+#endif  // JATTN_KERNELS_CPU_ATTENTION_H_

@@ -1,0 +1,35 @@
+// The kernels built for avx2 (8-float vectors), chosen at run time when the CPU has it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "attention.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,bmi2")
+#endif
+#define JATTN_ISA avx2
+#define JATTN_ISA_NAME "avx2"
+#define JATTN_W 8
+#define JATTN_MR 6
+#include "attention_impl.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace jattn {
+const Isa* isa_avx2() { return &avx2::kIsa; }
+}  // namespace jattn
+#else
+namespace jattn {
+const Isa* isa_avx2() { return nullptr; }
+}  // namespace jattn
+#endif

@@ -1,0 +1,646 @@
+// The attention kernels for one instruction set, written once with GCC/Clang vector
+// extensions and compiled three times (attention_avx512.cc, attention_avx2.cc,
+// attention_generic.cc), each under its own target pragma. Before including, define:
+//   JATTN_ISA  the namespace (avx512, avx2, generic)
+//   JATTN_W    floats per vector register (16, 8, 4)
+//   JATTN_MR   micro-kernel rows (accumulators: 2 * JATTN_MR vectors)
+//
+// FlashAttention-2 structure. Forward, one item per (batch, head, query block): for each key
+// block that the masks leave visible, S = Q K^T (a register-blocked micro-kernel against
+// the keys XLA transposed once per call), then one pass per row fusing scale, soft-capping, the
+// mask, the running max, a polynomial exp and the running sum, then O += P V. Backward, two
+// passes that each write their own outputs (no atomics, no reductions across threads):
+// per (batch, kv head, key block) dK and dV over every query block of the heads sharing the
+// kv head; per (batch, head, query block) dQ over every key block.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "attention.h"
+
+namespace jattn {
+namespace JATTN_ISA {
+namespace {
+
+constexpr int W = JATTN_W;
+constexpr int NR = 2 * W;
+constexpr int MR = JATTN_MR;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// jattn.large_negative(float32): the lse of a row that attends nothing.
+constexpr float kLargeNegative = -0.7f * std::numeric_limits<float>::max();
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef int32_t viu __attribute__((vector_size(W * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+inline vi loadi(const int32_t* p) { return *reinterpret_cast<const viu*>(p); }
+inline vf splat(float x) { return vf{} + x; }
+inline vi splati(int32_t x) { return vi{} + x; }
+
+inline vi iota() {
+  vi r;
+  for (int i = 0; i < W; ++i) r[i] = i;
+  return r;
+}
+
+inline float hmax(vf x) {
+  float m = x[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+inline float hsum(vf x) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += x[i];
+  return s;
+}
+
+// exp(x) to about 1 ulp (Cephes' expf polynomial); exactly 0 below -87 (and for -inf).
+inline vf vexp(vf x) {
+  vf xc = x < splat(-87.f) ? splat(-87.f) : x;
+  xc = xc > splat(88.f) ? splat(88.f) : xc;
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  vf r = xc - n * splat(0.693359375f);
+  r = r + n * splat(2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf result = y * (vf)bits;  // the bits of 2^n
+  return x < splat(-87.f) ? splat(0.f) : result;
+}
+
+// jattn._prng's element stage: lowbias32 twice over the key index and the row's keys.
+inline vu mix(vu x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+// Row i's dropout: its Philox keys, the keep threshold and the survivors' scale.
+struct RowDropout {
+  bool on;
+  uint32_t k0, k1, threshold;
+  float scale;
+};
+
+// The vector of dropout multipliers (scale or 0) of keys j0 + c ... j0 + c + W - 1.
+inline vf dropout_factor(const RowDropout& rd, int64_t key) {
+  vu col = (vu)iota() + static_cast<uint32_t>(key);
+  vu top = mix(mix(col ^ rd.k0) ^ rd.k1) >> 8;  // jattn._prng keeps the top 24 bits
+  return top < (vu{} + rd.threshold) ? splat(rd.scale) : splat(0.f);
+}
+
+// ---------------------------------------------------------------------------------------
+// Tile products: C[m, n] (+)= sum_p A[i, p] B[p, n], A read with strides (so A or A^T),
+// B with unit column stride (row stride b_rs), C with row stride c_rs.
+// ---------------------------------------------------------------------------------------
+
+template <int M, int VN>
+inline void ukernel(int64_t kc, const float* a, int64_t a_rs, int64_t a_cs, const float* b,
+                    int64_t b_rs, float* c, int64_t c_rs, bool acc) {
+  vf cv[M][VN];
+  for (int i = 0; i < M; ++i)
+    for (int u = 0; u < VN; ++u) cv[i][u] = vf{};
+  for (int64_t p = 0; p < kc; ++p) {
+    vf bv[VN];
+    for (int u = 0; u < VN; ++u) bv[u] = load(b + p * b_rs + u * W);
+    const float* ap = a + p * a_cs;
+    for (int i = 0; i < M; ++i) {
+      vf ai = splat(ap[i * a_rs]);
+      for (int u = 0; u < VN; ++u) cv[i][u] += ai * bv[u];
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int u = 0; u < VN; ++u) {
+      float* cp = c + i * c_rs + u * W;
+      store(cp, acc ? load(cp) + cv[i][u] : cv[i][u]);
+    }
+}
+
+template <int M, int VN>
+inline void ukernel_rows(int64_t rows, int64_t kc, const float* a, int64_t a_rs, int64_t a_cs,
+                         const float* b, int64_t b_rs, float* c, int64_t c_rs, bool acc) {
+  if constexpr (M > 0) {
+    if (rows == M) {
+      ukernel<M, VN>(kc, a, a_rs, a_cs, b, b_rs, c, c_rs, acc);
+    } else {
+      ukernel_rows<M - 1, VN>(rows, kc, a, a_rs, a_cs, b, b_rs, c, c_rs, acc);
+    }
+  }
+}
+
+template <int VN>
+inline void gemm_columns(int64_t m, int64_t kc, const float* a, int64_t a_rs, int64_t a_cs,
+                         const float* b, int64_t b_rs, float* c, int64_t c_rs, bool acc) {
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR)
+    ukernel<MR, VN>(kc, a + i * a_rs, a_rs, a_cs, b, b_rs, c + i * c_rs, c_rs, acc);
+  if (i < m)
+    ukernel_rows<MR - 1, VN>(m - i, kc, a + i * a_rs, a_rs, a_cs, b, b_rs, c + i * c_rs, c_rs,
+                             acc);
+}
+
+void gemm(int64_t m, int64_t n, int64_t kc, const float* a, int64_t a_rs, int64_t a_cs,
+          const float* b, int64_t b_rs, float* c, int64_t c_rs, bool acc) {
+  int64_t j = 0;
+  for (; j + NR <= n; j += NR)  // one B panel (kc x NR) stays in L1 across the rows
+    gemm_columns<2>(m, kc, a, a_rs, a_cs, b + j, b_rs, c + j, c_rs, acc);
+  for (; j + W <= n; j += W) gemm_columns<1>(m, kc, a, a_rs, a_cs, b + j, b_rs, c + j, c_rs, acc);
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) {
+      float s = 0.f;
+      for (int64_t p = 0; p < kc; ++p) s += a[i * a_rs + p * a_cs] * b[p * b_rs + j];
+      c[i * c_rs + j] = acc ? c[i * c_rs + j] + s : s;
+    }
+}
+
+// C[i, j] = A[i, :] . B[j, :] for a few rows of A (decoding): dot products along the rows,
+// reading B (the keys) in place instead of a transposed copy; columns n..n_pad get 0.
+void gemm_rows_dot(int64_t m, int64_t n, int64_t n_pad, int64_t kc, const float* a,
+                   int64_t a_rs, const float* b, int64_t b_rs, float* c, int64_t c_rs) {
+  const int64_t kv = kc / W * W;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* ai = a + i * a_rs;
+    float* ci = c + i * c_rs;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* bj = b + j * b_rs;
+      vf acc = vf{};
+      for (int64_t p = 0; p < kv; p += W) acc += load(ai + p) * load(bj + p);
+      float sum = hsum(acc);
+      for (int64_t p = kv; p < kc; ++p) sum += ai[p] * bj[p];
+      ci[j] = sum;
+    }
+    for (int64_t j = n; j < n_pad; ++j) ci[j] = 0.f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Which tiles the masks leave visible
+// ---------------------------------------------------------------------------------------
+
+enum class TileState { kEmpty, kPartial, kFull };
+
+struct Batch {  // one batch row's lengths, segment ids and dropout rate
+  int64_t q_len, kv_len;
+  const int32_t* q_seg;
+  const int32_t* kv_seg;
+  uint32_t drop_threshold;
+  float drop_scale;
+};
+
+Batch batch(const Params& p, const Tensors& t, int64_t b) {
+  Batch r;
+  r.q_len = std::min<int64_t>(std::max<int32_t>(t.q_len[b], 0), p.Tq);
+  r.kv_len = std::min<int64_t>(std::max<int32_t>(t.kv_len[b], 0), p.Tk);
+  r.q_seg = p.has_seg ? t.q_seg + b * p.Tq : nullptr;
+  r.kv_seg = p.has_seg ? t.kv_seg + b * p.Tk : nullptr;
+  r.drop_threshold = p.has_dropout ? t.drop_threshold[b] : 0;
+  r.drop_scale = p.has_dropout ? t.drop_scale[b] : 1.f;
+  return r;
+}
+
+inline RowDropout row_dropout(const Params& p, const Tensors& t, const Batch& bt, int64_t b,
+                              int64_t h, int64_t i) {
+  if (!p.has_dropout) return {false, 0, 0, 0, 1.f};
+  const int64_t row = (b * p.H + h) * p.Tq + i;
+  return {true, t.drop_k0[row], t.drop_k1[row], bt.drop_threshold, bt.drop_scale};
+}
+
+// The keys [lo, hi) query i sees from the position masks and the key length (hi <= lo: none).
+inline void row_range(const Params& p, const Batch& bt, int64_t i, int64_t* lo, int64_t* hi) {
+  int64_t l = 0, h = bt.kv_len;
+  if (p.causal) h = std::min(h, i + 1);
+  if (p.wl >= 0) l = std::max(l, i - p.wl);
+  if (p.wr >= 0) h = std::min(h, i + p.wr + 1);
+  *lo = l;
+  *hi = h;
+}
+
+// lo and hi are nondecreasing in i, so a tile's union and intersection of row ranges come
+// from its first and last rows; segment ids by their ranges (exact for any ids: disjoint
+// ranges share no id, one id on both sides is full).
+TileState tile_state(const Params& p, const Batch& bt, int64_t i0, int64_t i1, int64_t j0,
+                     int64_t j1) {
+  int64_t ie = std::min(i1, bt.q_len);
+  if (ie <= i0 || j0 >= bt.kv_len) return TileState::kEmpty;
+  int64_t lo_first, hi_first, lo_last, hi_last;
+  row_range(p, bt, i0, &lo_first, &hi_first);
+  row_range(p, bt, ie - 1, &lo_last, &hi_last);
+  if (std::max(lo_first, j0) >= std::min(hi_last, j1)) return TileState::kEmpty;
+  bool full = ie == i1 && lo_last <= j0 && hi_first >= j1;
+  if (p.has_seg) {
+    int32_t qmin = bt.q_seg[i0], qmax = qmin, kmin = bt.kv_seg[j0], kmax = kmin;
+    for (int64_t i = i0; i < ie; ++i) {
+      qmin = std::min(qmin, bt.q_seg[i]);
+      qmax = std::max(qmax, bt.q_seg[i]);
+    }
+    int64_t je = std::min(j1, bt.kv_len);
+    for (int64_t j = j0; j < je; ++j) {
+      kmin = std::min(kmin, bt.kv_seg[j]);
+      kmax = std::max(kmax, bt.kv_seg[j]);
+    }
+    if (qmax < kmin || kmax < qmin) return TileState::kEmpty;
+    full = full && qmin == qmax && kmin == kmax && qmin == kmin;
+  }
+  return full ? TileState::kFull : TileState::kPartial;
+}
+
+// Row i's visible columns of the tile starting at key j0 with nk keys: [cl, ch) and, when
+// *seg is set, only those whose key segment equals *seg.
+struct RowMask {
+  int32_t cl, ch;
+  bool use_seg;
+  int32_t seg;
+};
+
+inline RowMask row_mask(const Params& p, const Batch& bt, TileState state, int64_t i, int64_t j0,
+                        int64_t nk) {
+  if (state == TileState::kFull) return {0, static_cast<int32_t>(nk), false, 0};
+  if (i >= bt.q_len) return {0, 0, false, 0};
+  int64_t lo, hi;
+  row_range(p, bt, i, &lo, &hi);
+  int64_t cl = std::max<int64_t>(lo - j0, 0), ch = std::min<int64_t>(hi - j0, nk);
+  if (ch < cl) ch = cl;
+  return {static_cast<int32_t>(cl), static_cast<int32_t>(ch), p.has_seg,
+          p.has_seg ? bt.q_seg[i] : 0};
+}
+
+// The tile's key segment ids, padded to its column count (read by the vector mask).
+void copy_kv_segments(const Params& p, const Batch& bt, int64_t j0, int64_t nk, int64_t ncols,
+                      int32_t* dst) {
+  if (!p.has_seg) return;
+  for (int64_t j = 0; j < nk; ++j) dst[j] = bt.kv_seg[j0 + j];
+  for (int64_t j = nk; j < ncols; ++j) dst[j] = 0;
+}
+
+inline vi visible(const RowMask& rm, int64_t c, const int32_t* kseg) {
+  vi col = iota() + static_cast<int32_t>(c);
+  vi ok = (col >= splati(rm.cl)) & (col < splati(rm.ch));
+  if (rm.use_seg) ok &= loadi(kseg + c) == splati(rm.seg);
+  return ok;
+}
+
+// Row i's ALiBi: its head's slope; the logit of key j gains slope * (j - i) (symmetric:
+// -slope * |j - i|).
+struct RowAlibi {
+  bool on, symmetric;
+  float slope;
+  int64_t i;
+};
+
+inline RowAlibi row_alibi(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t i) {
+  if (p.alibi == 0) return {false, false, 0.f, i};
+  return {true, p.alibi == 2, t.slopes[b * p.H + h], i};
+}
+
+inline vf alibi_distance(const RowAlibi& ra, int64_t key) {
+  vi d = iota() + static_cast<int32_t>(key - ra.i);
+  vf x = __builtin_convertvector(d, vf);
+  return ra.symmetric ? (x < splat(0.f) ? x : -x) : x;
+}
+
+// The scaled (ALiBi-biased or soft-capped) logits of one row starting at key j0, in place;
+// with a cap, tanh kept in t.
+inline void scaled_logits(const Params& p, float* s, int64_t ncols, float* t,
+                          const RowAlibi& ra, int64_t j0) {
+  if (p.softcap == 0.f) {
+    const vf scale = splat(p.scale), slope = splat(ra.slope);
+    for (int64_t c = 0; c < ncols; c += W) {
+      vf x = load(s + c) * scale;
+      store(s + c, ra.on ? x + slope * alibi_distance(ra, j0 + c) : x);
+    }
+    return;
+  }
+  for (int64_t c = 0; c < ncols; ++c) {
+    float th = std::tanh(s[c] * p.scale / p.softcap);
+    if (t != nullptr) t[c] = th;
+    s[c] = p.softcap * th;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------
+
+struct Blocks {
+  int64_t nqb, nkb;
+};
+
+inline Blocks blocks(const Params& p) {
+  return {(p.Tq + p.bq - 1) / p.bq, (p.Tk + p.bk - 1) / p.bk};
+}
+
+// One row of the online softmax: s (the row's logits, ncols) becomes P in place; m, l and
+// the output row o (length dv) are updated for the new running max.
+inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
+                        const int32_t* kseg, const RowDropout& rd, const RowAlibi& ra,
+                        int64_t j0, float* m, float* l, float* o, int64_t dv) {
+  scaled_logits(p, s, ncols, nullptr, ra, j0);
+  vf vmax = splat(-kInf);
+  for (int64_t c = 0; c < ncols; c += W) {
+    vf x = load(s + c);
+    x = visible(rm, c, kseg) ? x : splat(-kInf);
+    store(s + c, x);
+    vmax = vmax > x ? vmax : x;
+  }
+  float m_new = std::max(*m, hmax(vmax));
+  if (m_new == -kInf) {  // nothing visible in this row yet
+    std::memset(s, 0, sizeof(float) * ncols);
+    return;
+  }
+  const vf mv = splat(m_new);
+  vf sum = vf{};
+  for (int64_t c = 0; c < ncols; c += W) {
+    vf e = vexp(load(s + c) - mv);
+    sum += e;  // the normaliser counts every weight; dropout drops from the values' sum
+    store(s + c, rd.on ? e * dropout_factor(rd, j0 + c) : e);
+  }
+  float alpha = *m == -kInf ? 0.f : std::exp(*m - m_new);
+  *l = *l * alpha + hsum(sum);
+  if (alpha != 1.f)
+    for (int64_t d = 0; d < dv; ++d) o[d] *= alpha;
+  *m = m_new;
+}
+
+int64_t forward_scratch(const Params& p) { return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.bk; }
+
+void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const Blocks nb = blocks(p);
+  const int64_t bh = item % (p.B * p.H);
+  const int64_t qb = nb.nqb - 1 - item / (p.B * p.H);  // the longest rows first
+  const int64_t b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.K);
+  const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+  const Batch bt = batch(p, t, b);
+
+  float* o = scratch;             // [bq, Dv]
+  float* m = o + p.bq * p.Dv;     // [bq]
+  float* l = m + p.bq;            // [bq]
+  float* s = l + p.bq;            // [bq, bk]
+  int32_t* kseg = reinterpret_cast<int32_t*>(s + p.bq * p.bk);  // [bk]
+  std::fill(o, o + nq * p.Dv, 0.f);
+  for (int64_t r = 0; r < nq; ++r) {
+    // A sink is one more logit in the row's softmax: the running max starts there.
+    m[r] = p.has_sinks ? t.sinks[b * p.H + h] : -kInf;
+    l[r] = p.has_sinks ? 1.f : 0.f;
+  }
+  const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
+  const int64_t q_rs = p.H * p.D, v_rs = p.K * p.Dv;
+  const float* kt_head = t.kt == nullptr ? nullptr : t.kt + (b * p.K + kh) * p.D * p.Tkp;
+  for (int64_t kb = 0; kb < nb.nkb; ++kb) {
+    const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
+    const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+    if (state == TileState::kEmpty) continue;
+    const int64_t ncols = (nk + NR - 1) / NR * NR;
+    const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
+    copy_kv_segments(p, bt, j0, nk, ncols, kseg);
+    if (kt_head != nullptr) {
+      gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
+    } else {  // a few queries: no transposed copy of the keys was made
+      const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
+      gemm_rows_dot(nq, nk, ncols, p.D, qp, q_rs, kp, p.K * p.D, s, p.bk);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
+      const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
+      const RowAlibi ra = row_alibi(p, t, b, h, i0 + r);
+      softmax_row(p, s + r * p.bk, ncols, rm, kseg, rd, ra, j0, m + r, l + r, o + r * p.Dv,
+                  p.Dv);
+    }
+    gemm(nq, p.Dv, nk, s, p.bk, 1, vp, v_rs, o, p.Dv, true);
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    float* out = t.out + ((b * p.Tq + i0 + r) * p.H + h) * p.Dv;
+    float* lse = t.lse + (b * p.H + h) * p.Tq + i0 + r;
+    // No visible key (and no sink): zero output, jattn.large_negative as the lse.
+    bool none = l[r] == 0.f;
+    float inv = none ? 0.f : 1.f / l[r];
+    for (int64_t d = 0; d < p.Dv; ++d) out[d] = o[r * p.Dv + d] * inv;
+    *lse = none ? kLargeNegative : m[r] + std::log(l[r]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------
+
+// P of one row from the saved lse (in place), tanh kept in t when soft-capping.
+inline void probabilities_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
+                              const int32_t* kseg, float lse, float* t, const RowAlibi& ra,
+                              int64_t j0) {
+  scaled_logits(p, s, ncols, t, ra, j0);
+  const vf lv = splat(lse);
+  for (int64_t c = 0; c < ncols; c += W) {
+    vf x = visible(rm, c, kseg) ? load(s + c) - lv : splat(-kInf);
+    store(s + c, vexp(x));
+  }
+}
+
+// dS = P * (Z dP - delta) (* (1 - tanh^2) when soft-capping) * scale, into dp, with Z the
+// dropout multipliers; with drop_p, P becomes Z P in place (for dV). With dslope, the row's
+// ALiBi slope gradient sum_j dS_ij (j - i) (before the scale) is added to *dslope.
+inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, float delta,
+                        const float* t, const RowDropout& rd, int64_t j0, bool drop_p,
+                        const RowAlibi& ra, float* dslope) {
+  const vf dv = splat(delta), sc = splat(p.scale);
+  vf slope_acc = vf{};
+  for (int64_t c = 0; c < ncols; c += W) {
+    vf pr = load(prob + c), g = load(dp + c);
+    if (rd.on) {
+      vf z = dropout_factor(rd, j0 + c);
+      g *= z;
+      if (drop_p) store(prob + c, pr * z);
+    }
+    vf ds = pr * (g - dv);
+    if (dslope != nullptr) slope_acc += ds * alibi_distance(ra, j0 + c);
+    store(dp + c, ds * sc);
+  }
+  if (dslope != nullptr) *dslope += hsum(slope_acc);
+  if (p.softcap != 0.f)
+    for (int64_t c = 0; c < ncols; ++c) dp[c] *= 1.f - t[c] * t[c];
+}
+
+struct BackwardTile {  // the scratch of one (query block, key block) tile
+  const float *kt, *vt;  // the key block's K^T [D, Tkp] and V^T [Dv, Tkp], at column j0
+  float *s, *dp, *th;
+  int32_t* kseg;
+};
+
+// S -> P and dP -> dS for one tile whose kt, vt and kseg are packed.
+void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
+                   TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
+                   int64_t nk, int64_t ncols, bool drop_p, bool slopes) {
+  const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
+  const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
+  gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
+  gemm(nq, ncols, p.Dv, dop, p.H * p.Dv, 1, w.vt, p.Tkp, w.dp, p.bk, false);
+  const float* lse = t.lse + (b * p.H + h) * p.Tq + i0;
+  const float* delta = t.delta + (b * p.H + h) * p.Tq + i0;
+  for (int64_t r = 0; r < nq; ++r) {
+    const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
+    float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
+    const RowAlibi ra = row_alibi(p, t, b, h, i0 + r);
+    probabilities_row(p, w.s + r * p.bk, ncols, rm, w.kseg, lse[r], th, ra, j0);
+    const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
+    float* dslope = slopes && ra.on ? t.dslope + (b * p.H + h) * p.Tq + i0 + r : nullptr;
+    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, delta[r], th, rd, j0, drop_p, ra,
+                dslope);
+  }
+}
+
+int64_t backward_scratch(const Params& p) {
+  return 3 * p.bq * p.bk + p.bk + std::max(p.bk * (p.D + p.Dv), p.bq * p.D);
+}
+
+BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
+  BackwardTile w;
+  w.kt = w.vt = nullptr;
+  w.s = scratch;
+  w.dp = w.s + p.bq * p.bk;
+  w.th = w.dp + p.bq * p.bk;
+  w.kseg = reinterpret_cast<int32_t*>(w.th + p.bq * p.bk);
+  return w;
+}
+
+float* backward_accumulators(const Params& p, float* scratch) {
+  return scratch + 3 * p.bq * p.bk + p.bk;
+}
+
+// Points the tile at key block j0 of kv head kh and copies its key segment ids.
+void set_kv_tile(const Params& p, const Tensors& t, const Batch& bt, BackwardTile* w, int64_t b,
+                 int64_t kh, int64_t j0, int64_t nk, int64_t ncols) {
+  w->kt = t.kt + (b * p.K + kh) * p.D * p.Tkp + j0;
+  w->vt = t.vt + (b * p.K + kh) * p.Dv * p.Tkp + j0;
+  copy_kv_segments(p, bt, j0, nk, ncols, w->kseg);
+}
+
+// dK, dV of one (batch, kv head, key block) over the query blocks of its heads; with the dQ
+// pass below, the two-pass backward (no reduction across workers, parallel over key blocks).
+void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const Blocks nb = blocks(p);
+  const int64_t bk_index = item / (p.B * p.K), bkh = item % (p.B * p.K);
+  const int64_t b = bkh / p.K, kh = bkh % p.K, group = p.H / p.K;
+  const int64_t j0 = bk_index * p.bk, nk = std::min(p.bk, p.Tk - j0);
+  const int64_t ncols = (nk + NR - 1) / NR * NR;
+  const Batch bt = batch(p, t, b);
+  BackwardTile w = backward_scratch_tile(p, scratch);
+  float* dk = backward_accumulators(p, scratch);  // [nk, D]
+  float* dv = dk + p.bk * p.D;                    // [nk, Dv]
+  std::fill(dk, dk + nk * p.D, 0.f);
+  std::fill(dv, dv + nk * p.Dv, 0.f);
+  set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
+  for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+    for (int64_t qb = 0; qb < nb.nqb; ++qb) {
+      const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+      const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+      if (state == TileState::kEmpty) continue;
+      backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, false);
+      const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
+      const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
+      gemm(nk, p.Dv, nq, w.s, 1, p.bk, dop, p.H * p.Dv, dv, p.Dv, true);  // (Z P)^T dO
+      gemm(nk, p.D, nq, w.dp, 1, p.bk, qp, p.H * p.D, dk, p.D, true);     // dS^T Q
+    }
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    std::memcpy(t.dk + ((b * p.Tk + j0 + j) * p.K + kh) * p.D, dk + j * p.D,
+                sizeof(float) * p.D);
+    std::memcpy(t.dv + ((b * p.Tk + j0 + j) * p.K + kh) * p.Dv, dv + j * p.Dv,
+                sizeof(float) * p.Dv);
+  }
+}
+
+// dQ of one (batch, head, query block) over its key blocks.
+void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const Blocks nb = blocks(p);
+  const int64_t bh = item % (p.B * p.H);
+  const int64_t qb = nb.nqb - 1 - item / (p.B * p.H);
+  const int64_t b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.K);
+  const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+  const Batch bt = batch(p, t, b);
+  BackwardTile w = backward_scratch_tile(p, scratch);
+  float* dq = backward_accumulators(p, scratch);  // [nq, D]
+  std::fill(dq, dq + nq * p.D, 0.f);
+  if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq + i0, nq, 0.f);
+  for (int64_t kb = 0; kb < nb.nkb; ++kb) {
+    const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
+    const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+    if (state == TileState::kEmpty) continue;
+    const int64_t ncols = (nk + NR - 1) / NR * NR;
+    set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
+    backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, false, true);
+    const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
+    gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, dq, p.D, true);  // dS K
+  }
+  for (int64_t r = 0; r < nq; ++r)
+    std::memcpy(t.dq + ((b * p.Tq + i0 + r) * p.H + h) * p.D, dq + r * p.D,
+                sizeof(float) * p.D);
+}
+
+// dK, dV and dQ of one (batch, kv head) in a single pass over its tiles: dQ accumulates in
+// place in the output (only this item writes those rows), key block by key block in order.
+// Five tile products per tile instead of the two passes' seven, for calls with enough
+// (batch, kv head) pairs to keep every worker busy.
+void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const Blocks nb = blocks(p);
+  const int64_t b = item / p.K, kh = item % p.K, group = p.H / p.K;
+  const Batch bt = batch(p, t, b);
+  BackwardTile w = backward_scratch_tile(p, scratch);
+  float* dk = backward_accumulators(p, scratch);  // [bk, D]
+  float* dv = dk + p.bk * p.D;                    // [bk, Dv]
+  for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+    for (int64_t i = 0; i < p.Tq; ++i)
+      std::fill_n(t.dq + ((b * p.Tq + i) * p.H + h) * p.D, p.D, 0.f);
+    if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq, p.Tq, 0.f);
+  }
+  for (int64_t kb = 0; kb < nb.nkb; ++kb) {
+    const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
+    const int64_t ncols = (nk + NR - 1) / NR * NR;
+    std::fill(dk, dk + nk * p.D, 0.f);
+    std::fill(dv, dv + nk * p.Dv, 0.f);
+    set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
+    const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
+    for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+      for (int64_t qb = 0; qb < nb.nqb; ++qb) {
+        const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+        const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+        if (state == TileState::kEmpty) continue;
+        backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, true);
+        const int64_t row = (b * p.Tq + i0) * p.H + h;
+        gemm(nk, p.Dv, nq, w.s, 1, p.bk, t.dout + row * p.Dv, p.H * p.Dv, dv, p.Dv, true);
+        gemm(nk, p.D, nq, w.dp, 1, p.bk, t.q + row * p.D, p.H * p.D, dk, p.D, true);
+        gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, t.dq + row * p.D, p.H * p.D, true);
+      }
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      std::memcpy(t.dk + ((b * p.Tk + j0 + j) * p.K + kh) * p.D, dk + j * p.D,
+                  sizeof(float) * p.D);
+      std::memcpy(t.dv + ((b * p.Tk + j0 + j) * p.K + kh) * p.Dv, dv + j * p.Dv,
+                  sizeof(float) * p.Dv);
+    }
+  }
+}
+
+int64_t scratch_floats(const Params& p) {
+  return std::max(forward_scratch(p), backward_scratch(p)) + 64;
+}
+
+const Isa kIsa = {JATTN_ISA_NAME,   NR,           MR, scratch_floats, forward_item,
+                  backward_kv_item, backward_q_item, backward_head_item};
+
+}  // namespace
+}  // namespace JATTN_ISA
+}  // namespace jattn

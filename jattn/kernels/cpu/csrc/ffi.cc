@@ -1,0 +1,335 @@
+// XLA FFI handlers of jattn's fused CPU attention (forward with lse, backward), the
+// instruction-set dispatch, and a parallel loop over XLA's own intra-op thread pool.
+//
+// Exported (loaded with ctypes, registered by jattn.kernels.cpu._library):
+//   JattnCpuAttentionForward, JattnCpuAttentionBackward: the FFI handlers;
+//   jattn_cpu_isa(): the instruction set the kernels run with ("avx512", "avx2", "generic");
+//   jattn_cpu_ffi_api_version(): the XLA FFI API version the handlers were built against.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "attention.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jattn {
+namespace {
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (std::strcmp(feature, "avx512") == 0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  if (std::strcmp(feature, "avx2") == 0)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("bmi2");
+#endif
+  return false;
+}
+
+// The widest instruction set this CPU runs; JATTN_CPU_ISA=avx2|generic asks for a narrower
+// one (tests and benchmarks compare them).
+const Isa* choose_isa() {
+  const char* asked = std::getenv("JATTN_CPU_ISA");
+  std::string want = asked == nullptr ? "" : asked;
+  if ((want.empty() || want == "avx512") && isa_avx512() != nullptr && cpu_has("avx512"))
+    return isa_avx512();
+  if ((want.empty() || want == "avx512" || want == "avx2") && isa_avx2() != nullptr &&
+      cpu_has("avx2"))
+    return isa_avx2();
+  return isa_generic();
+}
+
+const Isa& isa() {
+  static const Isa* chosen = choose_isa();
+  return *chosen;
+}
+
+// Runs body(item, scratch) for item in [0, n) on up to `threads` workers: the caller and
+// tasks scheduled on XLA's pool take items from one counter. Each item is computed by one
+// worker in a fixed order, so the results do not depend on which worker or how many. The
+// caller waits for the items, not for the tasks: a task that starts late finds no item and
+// touches only the shared state it co-owns (no deadlock when the pool is busy or size 1).
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t threads, int64_t scratch_floats,
+                  const std::function<void(int64_t, float*)>& body) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t n = 0, scratch_floats = 0;
+    const std::function<void(int64_t, float*)>* body = nullptr;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->n = n;
+  shared->scratch_floats = scratch_floats;
+  shared->body = &body;
+  auto work = [](const std::shared_ptr<Shared>& s) {
+    if (s->next.load() >= s->n) return;
+    std::vector<float> scratch(s->scratch_floats);
+    for (int64_t item; (item = s->next.fetch_add(1)) < s->n;) {
+      (*s->body)(item, scratch.data());
+      if (s->done.fetch_add(1) + 1 == s->n) {
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->cv.notify_all();
+      }
+    }
+  };
+  int64_t workers = std::max<int64_t>(1, std::min(threads, n));
+  for (int64_t w = 1; w < workers; ++w) pool.Schedule([shared, work] { work(shared); });
+  work(shared);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == n; });
+}
+
+// From this many (batch, kv head) pairs on, the backward pass runs once per pair.
+constexpr int64_t kSinglePassMinHeads = 16;
+
+int64_t worker_count(ffi::ThreadPool& pool, int64_t max_threads) {
+  int64_t available = std::max<int64_t>(1, pool.num_threads());
+  return max_threads > 0 ? std::min(available, max_threads) : available;
+}
+
+// [batch..., T, heads, dim] -> (prod(batch), T, heads, dim).
+void dims4(ffi::Span<const int64_t> d, int64_t* b, int64_t* t, int64_t* h, int64_t* e) {
+  int64_t r = static_cast<int64_t>(d.size());
+  *b = 1;
+  for (int64_t i = 0; i + 3 < r; ++i) *b *= d[i];
+  *t = d[r - 3];
+  *h = d[r - 2];
+  *e = d[r - 1];
+}
+
+ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                       ffi::Span<const int64_t> vd, ffi::Span<const int64_t> ktd, float scale, float softcap, int64_t causal,
+                       int64_t window_left, int64_t window_right, int64_t has_seg,
+                       int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t block_q,
+                       int64_t block_k, Params* p) {
+  int64_t kb, vb, vt, vk;
+  if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
+    return ffi::Error::InvalidArgument("jattn cpu attention: q, k, v need equal ranks >= 3");
+  dims4(qd, &p->B, &p->Tq, &p->H, &p->D);
+  dims4(kd, &kb, &p->Tk, &p->K, &p->D);
+  dims4(vd, &vb, &vt, &vk, &p->Dv);
+  if (kb != p->B || vb != p->B || vt != p->Tk || vk != p->K || p->K == 0 || p->H % p->K)
+    return ffi::Error::InvalidArgument("jattn cpu attention: q, k, v shapes do not match");
+  // kt [batch..., K, D, Tkp], or a placeholder of another rank: no transposed keys.
+  p->Tkp = ktd.size() == qd.size() ? ktd[ktd.size() - 1] : p->Tk;
+  p->scale = scale;
+  p->softcap = softcap;
+  p->causal = causal != 0;
+  p->wl = window_left;
+  p->wr = window_right;
+  p->has_seg = has_seg != 0;
+  p->has_sinks = has_sinks != 0;
+  p->has_dropout = has_dropout != 0;
+  p->alibi = alibi;
+  // The query tile: a multiple of the micro-kernel's rows unless asked for.
+  p->bq = block_q > 0 ? block_q : 8 * isa().mr;
+  p->bk = block_k;
+  if (p->bk <= 0 || p->bk % isa().nr || p->Tkp < p->Tk ||
+      (ktd.size() == qd.size() && p->Tkp % p->bk))
+    return ffi::Error::InvalidArgument(
+        "jattn cpu attention: block_k must be a multiple of 32 and kt's last axis of block_k");
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::S32> q_len,
+                   ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
+                   ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> sinks,
+                   ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
+                   ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
+                   ffi::Buffer<ffi::F32> slopes, float scale, float softcap, int64_t causal,
+                   int64_t window_left, int64_t window_right, int64_t has_seg,
+                   int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t block_q,
+                   int64_t block_k,
+                   int64_t max_threads, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  Params p;
+  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
+                               scale, softcap,
+                               causal, window_left, window_right, has_seg, has_sinks,
+                               has_dropout, alibi, block_q, block_k, &p);
+  if (err.failure()) return err;
+  Tensors t;
+  t.q = q.typed_data();
+  t.k = k.typed_data();
+  t.v = v.typed_data();
+  t.kt = kt.dimensions().size() == q.dimensions().size() ? kt.typed_data() : nullptr;
+  t.q_len = q_len.typed_data();
+  t.kv_len = kv_len.typed_data();
+  t.q_seg = q_seg.typed_data();
+  t.kv_seg = kv_seg.typed_data();
+  t.sinks = sinks.typed_data();
+  t.drop_k0 = drop_k0.typed_data();
+  t.drop_k1 = drop_k1.typed_data();
+  t.drop_threshold = drop_threshold.typed_data();
+  t.drop_scale = drop_scale.typed_data();
+  t.slopes = slopes.typed_data();
+  t.out = out->typed_data();
+  t.lse = lse->typed_data();
+  if (p.B * p.H * p.Tq == 0) return ffi::Error::Success();
+  const Isa& k_isa = isa();
+  const int64_t nqb = (p.Tq + p.bq - 1) / p.bq;
+  parallel_for(pool, nqb * p.B * p.H, worker_count(pool, max_threads), k_isa.scratch_floats(p),
+               [&](int64_t item, float* scratch) { k_isa.forward_item(p, t, item, scratch); });
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::F32> vt,
+                    ffi::Buffer<ffi::S32> q_len,
+                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
+                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> dout,
+                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                    ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
+                    ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
+                    ffi::Buffer<ffi::F32> slopes, float scale, float softcap, int64_t causal,
+                    int64_t window_left, int64_t window_right, int64_t has_seg,
+                    int64_t has_dropout, int64_t alibi, int64_t block_q, int64_t block_k,
+                    int64_t max_threads, ffi::ResultBuffer<ffi::F32> dq,
+                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                    ffi::ResultBuffer<ffi::F32> dslope) {
+  Params p;
+  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
+                               scale, softcap,
+                               causal, window_left, window_right, has_seg, 0, has_dropout,
+                               alibi, block_q, block_k, &p);
+  if (err.failure()) return err;
+  Tensors t;
+  t.q = q.typed_data();
+  t.k = k.typed_data();
+  t.v = v.typed_data();
+  t.kt = kt.dimensions().size() == q.dimensions().size() ? kt.typed_data() : nullptr;
+  t.q_len = q_len.typed_data();
+  t.kv_len = kv_len.typed_data();
+  t.q_seg = q_seg.typed_data();
+  t.kv_seg = kv_seg.typed_data();
+  t.vt = vt.typed_data();
+  t.dout = dout.typed_data();
+  t.lse = lse.typed_data();
+  t.delta = delta.typed_data();
+  t.drop_k0 = drop_k0.typed_data();
+  t.drop_k1 = drop_k1.typed_data();
+  t.drop_threshold = drop_threshold.typed_data();
+  t.drop_scale = drop_scale.typed_data();
+  t.slopes = slopes.typed_data();
+  t.dq = dq->typed_data();
+  t.dk = dk->typed_data();
+  t.dv = dv->typed_data();
+  t.dslope = dslope->typed_data();
+  const Isa& k_isa = isa();
+  const int64_t threads = worker_count(pool, max_threads), scratch = k_isa.scratch_floats(p);
+  const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, nkb = (p.Tk + p.bk - 1) / p.bk;
+  // Enough (batch, kv head) pairs: one pass each, dQ accumulated in place. The choice
+  // depends on the shapes only, never on the thread count, so results do not either.
+  if (p.B * p.K >= kSinglePassMinHeads) {
+    if (p.B * p.K * (p.Tq + p.Tk) > 0)
+      parallel_for(pool, p.B * p.K, threads, scratch, [&](int64_t item, float* s) {
+        k_isa.backward_head_item(p, t, item, s);
+      });
+    return ffi::Error::Success();
+  }
+  // Key blocks that no query sees still get their (zero) gradients written.
+  if (p.B * p.K * p.Tk > 0)
+    parallel_for(pool, nkb * p.B * p.K, threads, scratch, [&](int64_t item, float* s) {
+      k_isa.backward_kv_item(p, t, item, s);
+    });
+  if (p.B * p.H * p.Tq > 0)
+    parallel_for(pool, nqb * p.B * p.H, threads, scratch, [&](int64_t item, float* s) {
+      k_isa.backward_q_item(p, t, item, s);
+    });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kt
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_seg
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // drop_k0
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // drop_k1
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // drop_threshold
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // drop_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // slopes
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int64_t>("has_segments")
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<int64_t>("has_dropout")
+                                  .Attr<int64_t>("alibi")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kt
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // vt
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_seg
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // delta
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // drop_k0
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // drop_k1
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // drop_threshold
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // drop_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // slopes
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int64_t>("has_segments")
+                                  .Attr<int64_t>("has_dropout")
+                                  .Attr<int64_t>("alibi")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dslope
+
+extern "C" {
+__attribute__((visibility("default"))) const char* jattn_cpu_isa() {
+  return jattn::isa().name;
+}
+__attribute__((visibility("default"))) int jattn_cpu_ffi_api_version() {
+  return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR;
+}
+}

@@ -1,0 +1,437 @@
+"""The fused CPU kernel (``implementation='cpu_fused'``, jattn.kernels.cpu) against references.
+
+Every option it takes is checked through the public entry, forward (output and
+log-sum-exp) and backward (dq, dk, dv, and the sinks' gradient), against the float64 numpy
+reference and VJP of tests/test_kernels.py and against jattn's dense path; plus boundary
+lengths around its tiles, determinism (run to run and across thread counts), jit/vmap,
+the other instruction-set builds (in subprocesses) and its routing and refusals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import np_flex_attention
+from test_kernels import (
+    CASES,
+    Case,
+    assert_close,
+    check_results,
+    lengths,
+    make_inputs,
+    np_attention_vjp,
+    np_mask,
+    public,
+    tolerance,
+)
+
+import jattn
+from jattn import _routing, kernels
+from jattn.kernels.cpu import _library
+from jattn.kernels.cpu import adapter as cpu_adapter
+
+BUILT = _library.library() is not None
+needs_kernel = pytest.mark.skipif(not BUILT, reason=f"fused CPU kernel {_library.status()}")
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+
+def test_kernel_is_built_where_a_compiler_is():
+    """A failed build must not hide behind the skips: with a C++ compiler, it is on."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if compiler is None:
+        assert _library.status().startswith("off: "), _library.status()
+        pytest.skip("no C++ compiler here: the kernel is off and says why")
+    assert BUILT, _library.status()
+    assert _library.status().startswith("on: ")
+    assert cpu_adapter.available("cpu") and not cpu_adapter.available("gpu")
+
+
+def d_lse_of(case: Case):
+    rng = np.random.default_rng(7)
+    return jnp.asarray(rng.standard_normal((*case.batch, case.h, case.tq)), jnp.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", [c for c in CASES if c.softcap is None], ids=str)
+def test_conformance(case):
+    """Output, lse and gradients (with an lse cotangent) against float64 and dense."""
+    d_lse = d_lse_of(case)
+    out, lse, grads = public(case, "cpu_fused", d_lse)
+    check_results(case, out, lse, grads, d_lse)
+
+
+def fused_call(case: Case, *, softcap=None, sinks=None, implementation="cpu_fused"):
+    """``(out, lse [.., H, Tq], (dq, dk, dv, d_sinks))`` of the public call with modifiers."""
+    q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
+    d_lse = d_lse_of(case)
+    score_mod = None if softcap is None else jattn.mods.softcap(softcap)
+
+    def f(q, k, v, sinks):
+        out, residual = jattn.dot_product_attention(
+            q, k, v, is_causal=case.causal, local_window_size=case.window,
+            query_seq_lengths=lengths(case, "q_lengths"),
+            key_value_seq_lengths=lengths(case, "kv_lengths"),
+            query_segment_ids=q_ids, key_value_segment_ids=kv_ids, score_mod=score_mod,
+            sinks=sinks, return_residual=True, implementation=implementation,
+        )  # fmt: skip
+        return out, jnp.swapaxes(residual, -1, -2)
+
+    @jax.jit
+    def run(q, k, v, sinks):
+        (out, lse), vjp = jax.vjp(f, q, k, v, sinks)
+        return out, lse, vjp((d_out, d_lse))
+
+    return run(q, k, v, sinks)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", [c for c in CASES if c.softcap is not None], ids=str)
+def test_softcap(case):
+    out, lse, grads = fused_call(case, softcap=case.softcap)
+    check_results(case, out, lse, grads[:3], d_lse_of(case))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("sinks_causal", causal=True, kv_lengths=(40, 0)),  # rows of the sink alone
+        Case("sinks_window", tq=70, tk=90, window=(9, 4), segments="cross"),
+    ],
+    ids=str,
+)
+def test_sinks_and_their_gradient(case):
+    """Sinks: float64 FlexAttention reference for out/lse, dense path for every gradient."""
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    out, lse, grads = fused_call(case, sinks=sinks)
+    q, k, v, _, q_ids, kv_ids = make_inputs(case)
+    mask = np_mask(case, q_ids, kv_ids).reshape(-1, 1, case.tq, case.tk)
+    flat = [np.asarray(x).reshape(-1, *x.shape[-3:]) for x in (q, k, v)]
+    ref_out, _, ref_lse = np_flex_attention(*flat, mask=mask, sinks=np.asarray(sinks))
+    assert_close(np.asarray(out).reshape(ref_out.shape), ref_out, 1e-4, "out vs float64")
+    assert_close(np.asarray(lse).reshape(ref_lse.shape), ref_lse, 1e-4, "lse vs float64")
+    dense = fused_call(case, sinks=sinks, implementation="dense")
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, dense[2], strict=True):
+        assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("batch, kh", [(2, 2), (8, 2)], ids=["two_pass", "single_pass"])
+def test_alibi_and_its_slopes_gradient(symmetric, batch, kh):
+    """ALiBi against the float64 FlexAttention reference (out, lse) and dense (every
+    gradient, the slopes' included), in both backward modes."""
+    case = Case("alibi", batch=(batch,), tq=130, tk=150, h=4, kh=kh, d=32, window=(60, 10),
+                kv_lengths=(150, 40) * (batch // 2))  # fmt: skip
+    q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
+    slopes = jattn.mods.alibi_slopes(4)
+
+    def call(impl):
+        def f(q, k, v, slopes):
+            out, res = jattn.dot_product_attention(
+                q, k, v, local_window_size=case.window,
+                key_value_seq_lengths=lengths(case, "kv_lengths"), return_residual=True,
+                score_mod=jattn.mods.alibi(slopes, symmetric=symmetric), implementation=impl,
+            )  # fmt: skip
+            return out, jnp.swapaxes(res, -1, -2)
+
+        (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, slopes)
+        return out, lse, vjp((d_out, d_lse_of(case)))
+
+    out, lse, grads = call("cpu_fused")
+    sl = np.asarray(slopes, np.float64)
+
+    def score(s, b, h, qi, ki):
+        dist = -np.abs(ki - qi) if symmetric else ki - qi
+        return s + sl[h] * dist
+
+    mask = np_mask(case, q_ids, kv_ids)
+    ref_out, _, ref_lse = np_flex_attention(q, k, v, score=score, mask=mask)
+    assert_close(out, ref_out, 1e-4, "out vs float64")
+    seen = mask.any(-1)[:, 0]  # [N, Tq]
+    assert_close(np.where(seen[:, None], lse, 0), np.where(seen[:, None], ref_lse, 0), 1e-4, "lse")
+    for name, got, want in zip(("dq", "dk", "dv", "dslopes"), grads, call("dense")[2], strict=True):
+        assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "t, causal, d, dv",
+    [(1, True, 8, 8), (255, True, 64, 64), (256, False, 32, 32), (257, True, 40, 24),
+     (130, True, 256, 256), (97, False, 80, 112)],
+)  # fmt: skip
+def test_boundary_lengths_and_head_sizes(t, causal, d, dv):
+    """Lengths at and around the tiles (128 keys, 96/48 queries), head sizes up to 256,
+    a value head size unlike the query's."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((1, t, 2, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, t, 1, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, t, 1, dv)), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal((1, t, 2, dv)), jnp.float32)
+    mask = np.tril(np.ones((t, t), bool)) if causal else np.ones((t, t), bool)
+
+    def f(q, k, v):
+        return jattn.dot_product_attention(q, k, v, is_causal=causal, implementation="cpu_fused")
+
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    ref_out, _, ref_grads = np_attention_vjp(q, k, v, mask, d**-0.5, None, d_out)
+    assert_close(out, ref_out, 1e-4, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), vjp(d_out), ref_grads, strict=True):
+        assert_close(got, want, 1e-4, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tq", [1, 3, 15, 16])
+def test_decoding_against_a_long_cache(tq):
+    """Few queries read the keys in place (no transposed copy below 16 queries)."""
+    case = Case(f"decode{tq}", batch=(2,), tq=tq, tk=700, h=4, kh=1, d=64,
+                kv_lengths=(700, 333))  # fmt: skip
+    d_lse = d_lse_of(case)
+    out, lse, grads = public(case, "cpu_fused", d_lse)
+    check_results(case, out, lse, grads, d_lse)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_long_sequence_4097():
+    case = Case("long", batch=(1,), tq=4097, tk=4097, h=2, kh=1, d=32, causal=True)
+    d_lse = d_lse_of(case)
+    out, lse, grads = public(case, "cpu_fused", d_lse)
+    dense_out, dense_lse, dense_grads = public(case, "blockwise", d_lse)
+    assert_close(out, dense_out, 1e-4, "out vs blockwise")
+    assert_close(lse, dense_lse, 1e-4, "lse vs blockwise")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, dense_grads, strict=True):
+        assert_close(got, want, 1e-4, f"{name} vs blockwise")
+
+
+DETERMINISM_CASE = Case("determinism", batch=(3,), tq=200, tk=330, h=4, kh=2, d=32,
+                        causal=False, window=(150, 60), segments="cross")  # fmt: skip
+
+
+# 16 (batch, kv head) pairs: the backward's single pass per pair (dQ accumulated in place).
+SINGLE_PASS_CASE = Case("single_pass", batch=(4,), tq=150, tk=170, h=8, kh=4, d=32,
+                        causal=True, segments="cross", kv_lengths=(170, 0, 99, 150))  # fmt: skip
+
+
+@needs_kernel
+def test_single_pass_backward_conformance():
+    d_lse = d_lse_of(SINGLE_PASS_CASE)
+    out, lse, grads = public(SINGLE_PASS_CASE, "cpu_fused", d_lse)
+    check_results(SINGLE_PASS_CASE, out, lse, grads, d_lse)
+
+
+def fused_results(case: Case):
+    out, lse, grads = public(case, "cpu_fused", d_lse_of(case))
+    return [np.asarray(x) for x in (out, lse, *grads)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", [DETERMINISM_CASE, SINGLE_PASS_CASE], ids=str)
+def test_bit_identical_across_runs_and_thread_counts(case, monkeypatch):
+    """Each output element is computed by one worker in a fixed order: no dependence on
+    scheduling or on the number of threads (JATTN_CPU_THREADS caps the workers)."""
+    first = fused_results(case)
+    again = fused_results(case)
+    monkeypatch.setenv(cpu_adapter.THREADS_ENV, "1")
+    one = fused_results(case)
+    monkeypatch.setenv(cpu_adapter.THREADS_ENV, "2")
+    two = fused_results(case)
+    for a, b, c, d in zip(first, again, one, two, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(a, d)
+
+
+@needs_kernel
+def test_vmap_jit_and_eager_agree():
+    case = Case("vmap", batch=(3, 2), tq=50, tk=70, causal=True, kv_lengths=(70, 3, 9, 0, 50, 1))
+    q, k, v, _, _, _ = make_inputs(case)
+    kv_len = lengths(case, "kv_lengths")
+
+    def f(q, k, v, kv_len):
+        return jattn.dot_product_attention(
+            q, k, v, is_causal=True, key_value_seq_lengths=kv_len, implementation="cpu_fused"
+        )
+
+    batched = f(q, k, v, kv_len)
+    np.testing.assert_array_equal(jax.jit(f)(q, k, v, kv_len), batched)
+    mapped = jax.vmap(f)(q, k, v, kv_len)  # the outer batch axis under vmap
+    np.testing.assert_allclose(mapped, batched, rtol=0, atol=1e-6)
+    grad = jax.vmap(jax.grad(lambda q, k, v, n: (f(q, k, v, n) ** 2).sum()))(q, k, v, kv_len)
+    want = jax.grad(lambda q, k, v, n: (f(q, k, v, n) ** 2).sum())(q, k, v, kv_len)
+    np.testing.assert_allclose(grad, want, rtol=0, atol=1e-5)
+
+
+ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np, jax, jax.numpy as jnp, jattn
+    from jattn.kernels.cpu import _library
+    assert _library.library().isa == sys.argv[1], (_library.library().isa, sys.argv[1])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 150, 4, 40)), jnp.float32) for _ in "qkv")
+    k, v = k[..., :2, :], v[..., :2, :]
+    def loss(impl):
+        def f(q, k, v):
+            out = jattn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(70, 5),
+                                              implementation=impl)
+            return (out * jnp.sin(out)).sum()
+        return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+    (a, ga), (b, gb) = loss("cpu_fused"), loss("dense")
+    err = max(float(jnp.abs(x - y).max()) for x, y in zip((a, *ga), (b, *gb)))
+    print("max error", err)
+    assert err < 1e-3, err
+    """
+)
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_narrower_instruction_sets(isa, tmp_path):
+    """The AVX2 and portable builds (JATTN_CPU_ISA picks them) against the dense path."""
+    if isa == "avx2" and _library.library().isa == "generic":
+        pytest.skip("this CPU has no AVX2")
+    script = tmp_path / "isa_check.py"
+    script.write_text(ISA_SCRIPT)
+    env = {**os.environ, "JATTN_CPU_ISA": isa, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, str(script), isa], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# Routing and refusals
+# ----------------------------------------------------------------------------------------
+
+
+@needs_kernel
+def test_automatic_rule_takes_it_and_falls_back():
+    q = jnp.zeros((1, 512, 2, 16))
+    parts = dict(query=q, key=q, value=q)
+
+    def chosen(**kwargs):
+        ops, settings, extras = kwargs.pop("call")
+        return _routing.choose(None, *parts.values(), ops, settings, extras)
+
+    from jattn._call import DenseExtras, Operands, Settings
+
+    plain = (Operands(scale=0.25), Settings(is_causal=True), DenseExtras())
+    assert chosen(call=plain) == "cpu_fused"
+    mask = (Operands(scale=0.25, mask=jnp.ones((512, 512), bool)), Settings(), DenseExtras())
+    assert chosen(call=mask) == "blockwise"
+    key = jax.random.key(0)
+    drop = (Operands(scale=0.25, dropout_rate=0.1, dropout_rng=key), Settings(), DenseExtras())
+    assert chosen(call=drop) == "cpu_fused"
+    f64 = jnp.zeros((1, 512, 2, 16), jnp.float64) if jax.config.jax_enable_x64 else None
+    if f64 is not None:
+        assert _routing.choose(None, f64, f64, f64, *plain) != "cpu_fused"
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(mask=jnp.ones((8, 8), bool)), "a mask array"),
+        (dict(bias=jnp.zeros((8, 8))), "a bias array"),
+        (dict(score_mod=lambda s, b, h, qi, ki: 2 * s), "score_mod"),
+        (dict(mask_mod=jattn.mods.causal()), "mask_mod"),
+        (dict(return_weights=True), "weight matrix"),
+        (dict(precision=jax.lax.Precision.HIGHEST), "precision"),
+    ],
+)
+def test_explicit_request_refuses_what_it_lacks(kwargs, reason):
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match=f"cpu_fused.*{reason}"):
+        jattn.dot_product_attention(q, q, q, implementation="cpu_fused", **kwargs)
+
+
+def test_adapter_contract_names():
+    module = kernels.adapter("cpu_fused")
+    assert module is cpu_adapter and module.NAME == "cpu_fused" and "cpu_fused" in kernels.KERNELS
+    assert module.RETURNS_LSE and module.LSE_HAS_GRADIENT
+    query = _routing.kernel_query(
+        jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 9, 2, 16)), jnp.zeros((2, 9, 2, 8)),
+        jattn._call.Operands(scale=0.25), jattn._call.Settings(is_causal=True),
+        jattn._call.DenseExtras(), platform="gpu", interpret=False,
+    )  # fmt: skip
+    assert query.v_head_dim == 8 and query.kv_shape == (2, 9, 2, 16) and query.is_causal
+    assert "CPU only" in cpu_adapter.obstacle(query)
+    if BUILT:
+        assert cpu_adapter.obstacle(query._replace(platform="cpu")) is None
+        f64 = query._replace(platform="cpu", dtype=jnp.dtype("float64"))
+        assert "float64" in cpu_adapter.obstacle(f64)
+
+
+@needs_kernel
+def test_bfloat16_rounds_like_dense():
+    case = dataclasses.replace(CASES[0], dtype="bfloat16", name="bf16_plain")
+    out, _, grads = public(case, "cpu_fused")
+    dense_out, _, dense_grads = public(case, "dense")
+    tol = tolerance("bfloat16")
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, dense_out, tol, "out")
+    for got, want in zip(grads, dense_grads, strict=True):
+        assert_close(got, want, tol, "grad")
+
+
+# ----------------------------------------------------------------------------------------
+# Dropout: jattn's position-keyed generator, inside the kernel
+# ----------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("shared", [False, True, "batch", "heads"])
+def test_dropout_pattern_is_the_blockwise_and_dense_one(shared):
+    """With q = 0 every visible key weighs 1/n and v = I makes out[i, j] = keep_ij / (keep
+    n): the kept pattern itself, compared exactly with the other paths'."""
+    b, t, h = 2, 150, 4
+    q = jnp.zeros((b, t, h, t))
+    v = jnp.broadcast_to(jnp.eye(t)[:, None, :], (b, t, 2, t))
+    k = jnp.ones((b, t, 2, t))
+
+    def pattern(impl):
+        out = jattn.dot_product_attention(
+            q, k, v, is_causal=True, dropout_rate=0.4, dropout_rng=jax.random.key(5),
+            broadcast_dropout=shared, implementation=impl,
+        )  # fmt: skip
+        return np.asarray(out) != 0, out
+
+    fused, out = pattern("cpu_fused")
+    for impl in ("blockwise", "dense"):
+        np.testing.assert_array_equal(fused, pattern(impl)[0], err_msg=impl)
+    kept = fused[..., 0, :][:, np.tril_indices(t)[0], np.tril_indices(t)[1]].mean()
+    assert 0.5 < kept < 0.7  # keep probability 0.6
+    n = np.arange(1, t + 1)[None, :, None, None]
+    np.testing.assert_allclose(np.asarray(out)[fused], (1 / (0.6 * n) * fused)[fused], rtol=1e-6)
+
+
+@needs_kernel
+def test_dropout_outputs_and_gradients_match_blockwise():
+    case = Case("dropout", batch=(2,), tq=140, tk=160, h=4, kh=2, d=32, window=(50, 20),
+                segments="cross", kv_lengths=(150, 90))  # fmt: skip
+    q, k, v, d_out, q_ids, kv_ids = make_inputs(case)
+
+    def run(impl):
+        def f(q, k, v):
+            return jattn.dot_product_attention(
+                q, k, v, local_window_size=case.window, query_segment_ids=q_ids,
+                key_value_segment_ids=kv_ids, key_value_seq_lengths=lengths(case, "kv_lengths"),
+                dropout_rate=0.3, dropout_rng=jax.random.key(1), implementation=impl,
+            )  # fmt: skip
+
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        return out, vjp(d_out)
+
+    (out, grads), (ref, ref_grads) = run("cpu_fused"), run("blockwise")
+    assert_close(out, ref, 1e-4, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close(got, want, 1e-4, name)
