@@ -117,7 +117,16 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", CASES)
+# Interpret mode is slow (seconds per case): the default run keeps one case of each kind
+# (a band, a bias with its gradient, in-kernel dropout, a traced mask_mod); CI's slow leg
+# runs them all.
+DEFAULT_CASES = ("causal", "bias_keys", "dropout", "mask_mod")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in DEFAULT_CASES else pytest.param(n, marks=pytest.mark.slow) for n in CASES],
+)
 def test_matches_the_dense_path(name):
     ops, settings, names = _case(name)
     out, lse, grads = _value_and_grads(_kernel, ops, settings, names)
@@ -129,7 +138,11 @@ def test_matches_the_dense_path(name):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the TPU layout off a TPU runs in interpret mode")
-@pytest.mark.parametrize("name", ["lengths", "bias_keys", "dropout"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("lengths", marks=pytest.mark.slow), "bias_keys",
+     pytest.param("dropout", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_the_tpu_layout_matches_the_dense_path(name):
     """The Mosaic variant (heads before positions, scalars in SMEM), in interpret mode."""
     ops, settings, names = _case(name)
@@ -191,6 +204,7 @@ def test_dropout_mask_is_the_blockwise_paths():
     np.testing.assert_allclose(out, ref, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_modifier_arrays_get_gradients():
     """ALiBi slopes (native) and a score_mod's closed-over table (traced) get their gradients."""
     settings_of = {

@@ -65,7 +65,10 @@ def references(model, prompts, max_new):
     return [row[:m].tolist() for row, m in zip(out, max_new, strict=True)]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama3", "qwen3"])
+@pytest.mark.parametrize(
+    "arch", ["gpt2", pytest.param("llama3", marks=pytest.mark.slow),
+             pytest.param("qwen3", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_greedy_equals_generate_alone_with_eos(arch):
     model = BUILD[arch]()
     prompts = prompts_of([3, 17, 9, 26, 5])
@@ -123,6 +126,7 @@ def test_compilations_do_not_grow_with_the_number_of_requests():
     assert outs[3].tolist() == alone(model, many[3], 10)
 
 
+@pytest.mark.slow
 def test_prefix_sharing_reuses_pages_and_keeps_the_output():
     model = BUILD["llama3"]()
     common = prompts_of([24])[0]
@@ -140,6 +144,7 @@ def test_prefix_sharing_reuses_pages_and_keeps_the_output():
     assert unshared.shared_pages == 0 and unshared.peak_pages > stats.peak_pages
 
 
+@pytest.mark.slow
 def test_a_small_pool_makes_requests_wait_and_memory_follows_tokens():
     model = BUILD["gpt2"]()
     prompts = prompts_of([20, 3, 6, 14])
@@ -150,6 +155,7 @@ def test_a_small_pool_makes_requests_wait_and_memory_follows_tokens():
     assert [o.tolist() for o in outs] == references(model, prompts, [8] * 4)
 
 
+@pytest.mark.slow
 def test_sampling_does_not_depend_on_slots_or_order():
     model = BUILD["qwen3"]()
     prompts = prompts_of([5, 12, 3])
@@ -184,6 +190,7 @@ def test_bad_input_is_named():
         serving.generate_many(object(), p, 4, slots=1)
 
 
+@pytest.mark.slow
 def test_int8_pages_keep_most_greedy_tokens():
     model = BUILD["gpt2"]()
     prompts = prompts_of([9, 21, 5])
