@@ -665,6 +665,13 @@ def test_every_adapter_keeps_the_contract(name):
     assert list(inspect.signature(module.available).parameters) == ["platform"]
     assert list(inspect.signature(module.obstacle).parameters) == ["query"]
     params = inspect.signature(module.attention).parameters
-    assert list(params) == ["q", "k", "v", "ops", "settings", "interpret"]
+    # The contract's parameters first; an adapter may add keyword-only ones with defaults.
+    assert list(params)[:6] == ["q", "k", "v", "ops", "settings", "interpret"]
     assert params["interpret"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert module.available("cpu") is False  # none runs natively on CPU (interpret mode)
+    for extra in list(params.values())[6:]:
+        assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not extra.empty
+    if name == "cpu_fused":  # jattn's CPU kernel runs natively on CPU where it was built
+        built = not kernels.adapter("cpu_fused").status().startswith("off")
+        assert module.available("cpu") is built and not module.available("tpu")
+    else:  # the accelerator kernels run on CPU only in interpret mode
+        assert module.available("cpu") is False
