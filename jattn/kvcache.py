@@ -71,7 +71,9 @@ held; :func:`update_and_attend` takes one too (and is then
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -97,15 +99,21 @@ __all__ = [
     "update_and_attend",
 ]
 
-# The paged cache lives in jattn.paged (which builds on this module); re-exported here.
+# The paged cache lives in jattn.paged, which builds on this module: its names are
+# re-exported here lazily by name (as jattn/__init__ loads its submodules), and it
+# registers how it updates and attends (register_cache), so this module never imports it.
 _PAGED_NAMES = ("PagedKVCache", "init_paged_cache")
+_CACHE_KINDS: dict[type, Callable] = {}
+
+
+def register_cache(cache_type: type, update_and_attend_fn: Callable) -> None:
+    """Lets :func:`update_and_attend` serve another cache type (:mod:`jattn.paged`'s)."""
+    _CACHE_KINDS[cache_type] = update_and_attend_fn
 
 
 def __getattr__(name: str):
     if name in _PAGED_NAMES:
-        from jattn import paged
-
-        return getattr(paged, name)
+        return getattr(importlib.import_module("jattn.paged"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -765,10 +773,9 @@ def update_and_attend(
       are the cache's slots before the chunk, then the chunk's (:func:`rolling_mask`), so
       ``mask`` and the weights have ``capacity + T`` keys.
     """
-    from jattn import paged  # here, not at the top: jattn.paged imports this module
-
-    if isinstance(cache, paged.PagedKVCache):
-        return paged.update_and_attend(
+    other = _CACHE_KINDS.get(type(cache))  # a paged cache (jattn.paged registers it)
+    if other is not None:
+        return other(
             cache, query, key, value, num_new=num_new, mask=mask, is_causal=is_causal,
             local_window_size=local_window_size, score_mod=score_mod, mask_mod=mask_mod,
             **attention_kwargs,

@@ -376,3 +376,6 @@ def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, *
         _gather(updated), query, starts=cache.lengths, num_new=num_new, **attend_kwargs
     )
     return out, updated
+
+
+kvcache.register_cache(PagedKVCache, update_and_attend)

@@ -355,8 +355,11 @@ def _is_blockwise(t, s=None, **kw):
 def test_automatic_rule():
     assert _is_blockwise(256, is_causal=True)
     assert _is_blockwise(256, 512)
-    assert not _is_blockwise(128, is_causal=True)  # short: dense
-    assert not _is_blockwise(1, 4096)  # one query (decoding): dense
+    # short: the fused CPU kernel (from 128 keys, where it was built), else dense
+    fused = jattn.kernels.adapter("cpu_fused").available("cpu")
+    assert _is_blockwise(128, is_causal=True) is fused
+    assert not _is_blockwise(64, is_causal=True)
+    assert _is_blockwise(1, 4096) is fused  # one query (decoding): the CPU kernel, or dense
     assert not _is_blockwise(256, return_weights=True)  # needs the weights
     assert _is_blockwise(256, bias=jnp.zeros((256, 256)))  # sliced per tile (issue 13)
     assert _is_blockwise(64, implementation="blockwise")

@@ -341,8 +341,8 @@ def test_a_block_mask_whose_tiles_do_not_divide_the_paths_is_rebuilt():
 )
 def test_the_automatic_rule_runs_long_modified_calls_blockwise(kwargs):
     q = qkv(0, batch=1, t=256, s=256, heads=2, kv_heads=2)[0]
-    auto = dpa(q, q, q, **kwargs)
-    np.testing.assert_array_equal(auto, dpa(q, q, q, implementation="blockwise", **kwargs))
+    auto = dpa(q, q, q, **kwargs)  # blockwise, or the fused CPU kernel where it takes them
+    np.testing.assert_allclose(auto, dpa(q, q, q, implementation="blockwise", **kwargs), atol=1e-5)
     np.testing.assert_allclose(auto, dpa(q, q, q, implementation="dense", **kwargs), atol=1e-5)
 
 

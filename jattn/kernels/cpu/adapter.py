@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from jattn import _prng, mods
-from jattn.kernels import KernelQuery
+from jattn.kernels._contract import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
 __all__ = [
