@@ -406,9 +406,9 @@ def generate_stream(
     The same tokens as :func:`generate` with the same arguments (the same keys per step),
     from two compiled programs (the prefill and one step), each compiled once per shape.
 
-    Args:
-      decode_fn, params, cache, prompt, prompt_lengths, max_new_tokens, key, temperature,
-        top_k, eos_id, pad_id: as :func:`generate`.
+    Every argument is as in :func:`generate` (``decode_fn``, ``params``, ``cache``,
+    ``prompt``, ``prompt_lengths``, ``max_new_tokens``, ``key``, ``temperature``, ``top_k``,
+    ``eos_id``, ``pad_id``).
 
     Yields:
       int32 ``[B]`` per step: each row's next token, ``pad_id`` for a row that has ended.
@@ -493,9 +493,9 @@ def generate_recompute(
 
     Args:
       forward_fn: ``(params, tokens [B, S]) -> logits [B, S, V]``, causal; a static argument.
-      params, prompt, prompt_lengths, max_new_tokens, key, temperature, top_k, eos_id,
-        pad_id, return_lengths: as :func:`generate`; ``P + max_new_tokens - 1`` must fit the
-        model's context.
+      others: ``params``, ``prompt``, ``prompt_lengths``, ``max_new_tokens``, ``key``,
+        ``temperature``, ``top_k``, ``eos_id``, ``pad_id``, ``return_lengths`` as in
+        :func:`generate`; ``P + max_new_tokens - 1`` must fit the model's context.
 
     Returns:
       as :func:`generate`: the same tokens it gives for a model whose cached and uncached

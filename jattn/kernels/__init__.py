@@ -18,13 +18,13 @@ The kernels:
 * :mod:`jattn.kernels.pallas`: jattn's own Pallas flash attention (``'pallas'``: Triton
   on GPUs, Mosaic on TPUs, CPU in interpret mode), the first adapter on the
   :class:`KernelQuery` contract, with jattn's whole call (dropout, modifiers, block
-  masks, sinks, bias).
-
-:func:`lowering_platforms` makes the routing choose one route per platform, at lowering
-time, for programs lowered or exported for other platforms than the host's.
+  masks, sinks, bias);
 * :mod:`jattn.kernels.cpu.adapter`: jattn's own fused CPU kernel (C++ through XLA's FFI,
   ``implementation='cpu_fused'``); ``jattn.kernels.cpu.status()`` says whether it was
   built and loads, or why not.
+
+:func:`lowering_platforms` makes the routing choose one route per platform, at lowering
+time, for programs lowered or exported for other platforms than the host's.
 
 No module here imports a kernel at import time: jax's kernel modules load on first use
 (the Pallas GPU module warns of its deprecation on import from jax 0.12 on).

@@ -226,9 +226,9 @@ def generate_stream(
     sampled with the same key), through the KV cache: one compiled prefill and one
     compiled step, each compiled once per shape.
 
-    Args:
-      model, token_ids, max_new_tokens, temperature, top_k, key, prompt_lengths, window,
-        eos_id, pad_id: as :func:`generate`.
+    Every argument is as in :func:`generate` (``model``, ``token_ids``,
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``key``, ``prompt_lengths``,
+    ``window``, ``eos_id``, ``pad_id``).
 
     Yields:
       int32 ``[batch]`` per step: every row's next token, ``pad_id`` for rows that have
@@ -237,7 +237,7 @@ def generate_stream(
       ``generate_text_simple_stream(..., eos_token_id=)`` (which yields ``[batch, 1]``).
 
     Raises:
-      as :func:`generate`, at the call (before the first token).
+      ValueError: as :func:`generate`, at the call (before the first token).
     """
     token_ids = _check_model_and_prompt(model, token_ids)
     _check_window(model, window, True)
