@@ -55,6 +55,19 @@ def size(value, name: str, *, allow_zero: bool = False, where: str = "") -> int:
     return n
 
 
+def batch_shape(value) -> tuple[int, ...]:
+    """A cache's batch dims: an int or a tuple of positive ints, as a tuple."""
+    try:
+        shape = (value,) if isinstance(value, int) else tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"batch_shape must be an int or a tuple of ints (the batch dims), got {value!r}."
+        ) from None
+    for i, d in enumerate(shape):
+        size(d, f"batch_shape[{i}]")
+    return shape
+
+
 def float_dtype(dtype, name: str = "dtype"):
     """``dtype`` as a numpy dtype, or a clear error: not a dtype, not floating, or float64
     while ``jax_enable_x64`` is off (JAX would silently compute in float32)."""

@@ -188,14 +188,7 @@ def init_cache(
       ``KVCache(keys [*batch_shape, capacity, num_kv_heads, head_dim], values [...,
       v_head_dim], lengths int32 [*batch_shape])`` (a ``RollingKVCache`` with ``rolling``).
     """
-    try:
-        batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
-    except TypeError:
-        raise TypeError(
-            f"batch_shape must be an int or a tuple of ints (the batch dims), got {batch_shape!r}."
-        ) from None
-    for i, d in enumerate(batch_shape):
-        _checks.size(d, f"batch_shape[{i}]")
+    batch_shape = _checks.batch_shape(batch_shape)
     capacity = _checks.size(capacity, "capacity")
     num_kv_heads = _checks.size(num_kv_heads, "num_kv_heads")
     head_dim = _checks.size(head_dim, "head_dim")

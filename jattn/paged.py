@@ -141,14 +141,7 @@ def init_paged_cache(
       page_table int32 [*batch_shape, pages_per_seq] filled with num_pages, lengths int32
       [*batch_shape])``.
     """
-    try:
-        batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
-    except TypeError:
-        raise TypeError(
-            f"batch_shape must be an int or a tuple of ints (the batch dims), got {batch_shape!r}."
-        ) from None
-    for i, d in enumerate(batch_shape):
-        _checks.size(d, f"batch_shape[{i}]")
+    batch_shape = _checks.batch_shape(batch_shape)
     num_pages = _checks.size(num_pages, "num_pages")
     size = _checks.size(page_size, "page_size")
     pages_per_seq = _checks.size(pages_per_seq, "pages_per_seq")
