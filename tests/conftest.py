@@ -1,6 +1,7 @@
 """Shared fixtures and settings for the jattn test suite."""
 
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,10 +20,43 @@ if os.environ.get("JATTN_REQUIRE_REFERENCES") == "1":
     import llms_from_scratch  # noqa: F401
     import torch  # noqa: F401
 
-# Deterministic property tests in CI (and by default); `HYPOTHESIS_PROFILE=dev` explores more.
-settings.register_profile("ci", derandomize=True, deadline=None, max_examples=25, print_blob=True)
+# Deterministic property tests: 10 examples in the default run, 25 in CI's thorough leg
+# (`HYPOTHESIS_PROFILE=thorough pytest -m hypothesis`); `HYPOTHESIS_PROFILE=dev` explores more.
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=10, print_blob=True)
+settings.register_profile(
+    "thorough", derandomize=True, deadline=None, max_examples=25, print_blob=True
+)
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# The cases marked slow from a measured list (tests/slow_cases.txt, see its header): the
+# default run keeps at least one case of every test function but the few listed whole.
+SLOW_CASES = Path(__file__).with_name("slow_cases.txt")
+
+
+def _slow_entries() -> set[str]:
+    lines = (line.strip() for line in SLOW_CASES.read_text().splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
+def pytest_collection_modifyitems(config, items):
+    """Marks the listed cases slow; an entry naming a function its file lacks is an error."""
+    entries = _slow_entries()
+    modules = {}
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        modules.setdefault(path, item.module)
+        if item.nodeid in entries or f"{path}::{name.split('[')[0]}" in entries:
+            item.add_marker(pytest.mark.slow)
+    stale = []
+    for entry in entries:
+        path, _, name = entry.partition("::")
+        if path in modules and not hasattr(modules[path], name.split("[")[0]):
+            stale.append(entry)
+    if stale:
+        raise pytest.UsageError(f"{SLOW_CASES.name} names tests that do not exist: {sorted(stale)}")
 
 
 def pytest_report_header(config):
