@@ -327,7 +327,11 @@ def test_automatic_rule_takes_it_and_falls_back():
     plain = (Operands(scale=0.25), Settings(is_causal=True), DenseExtras())
     assert chosen(call=plain) == "cpu_fused"
     mask = (Operands(scale=0.25, mask=jnp.ones((512, 512), bool)), Settings(), DenseExtras())
-    assert chosen(call=mask) == "blockwise"
+    assert chosen(call=mask) == "cpu_fused"
+    bias = (Operands(scale=0.25, bias=jnp.ones((2, 1, 512))), Settings(), DenseExtras())
+    assert chosen(call=bias) == "cpu_fused"
+    weights = (Operands(scale=0.25), Settings(), DenseExtras(return_weights=True))
+    assert chosen(call=weights) == "dense"
     key = jax.random.key(0)
     drop = (Operands(scale=0.25, dropout_rate=0.1, dropout_rng=key), Settings(), DenseExtras())
     assert chosen(call=drop) == "cpu_fused"
@@ -340,8 +344,6 @@ def test_automatic_rule_takes_it_and_falls_back():
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        (dict(mask=jnp.ones((8, 8), bool)), "a mask array"),
-        (dict(bias=jnp.zeros((8, 8))), "a bias array"),
         (dict(score_mod=lambda s, b, h, qi, ki: 2 * s), "score_mod"),
         (dict(mask_mod=jattn.mods.causal()), "mask_mod"),
         (dict(return_weights=True), "weight matrix"),
@@ -435,3 +437,186 @@ def test_dropout_outputs_and_gradients_match_blockwise():
     assert_close(out, ref, 1e-4, "out")
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert_close(got, want, 1e-4, name)
+
+
+# ----------------------------------------------------------------------------------------
+# Bias and mask arrays (in their own broadcast shapes), their gradient; decoding
+# ----------------------------------------------------------------------------------------
+
+
+def np_biased_vjp(q, k, v, bias, mask, scale, d_out, d_lse):
+    """float64 ``(out, lse, (dq, dk, dv, dbias))`` of ``softmax(s + bias)`` with the mask
+    (True = attend; rows that see nothing give 0), by hand: ``ds = p (dp - Σ p dp) + p
+    d_lse``, ``dbias = ds`` summed over the bias's broadcast axes (its own shape)."""
+    q, k, v, d_out, bias = (np.asarray(a, np.float64) for a in (q, k, v, d_out, bias))
+    *batch, _, h, d = q.shape
+    tk, kh = k.shape[-3:-1]
+    g = h // kh
+    kf, vf = np.repeat(k, g, axis=-2), np.repeat(v, g, axis=-2)
+    logits = np.einsum("...thd,...shd->...hts", q, kf) * scale
+    bias_full = bias.reshape((1,) * (logits.ndim - bias.ndim) + bias.shape)
+    logits = logits + bias_full
+    mask = np.broadcast_to(mask, logits.shape)
+    row = mask.any(-1, keepdims=True)
+    m = np.where(row, np.where(mask, logits, -np.inf).max(-1, keepdims=True), 0.0)
+    e = np.where(mask, np.exp(np.where(mask, logits - m, 0.0)), 0.0)
+    total = np.where(row, e.sum(-1, keepdims=True), 1.0)
+    p = e / total
+    lse = np.where(row, m + np.log(total), 0.0)[..., 0]
+    out = np.einsum("...hts,...shd->...thd", p, vf)
+    dp = np.einsum("...thd,...shd->...hts", np.asarray(d_out, np.float64), vf)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) + p * np.asarray(d_lse)[..., None]
+    dq = np.einsum("...hts,...shd->...thd", ds, kf) * scale
+    dk = (np.einsum("...hts,...thd->...shd", ds, q) * scale).reshape(*batch, tk, kh, g, d)
+    dv = np.einsum("...hts,...thd->...shd", p, d_out).reshape(*batch, tk, kh, g, -1)
+    axes = tuple(a for a in range(ds.ndim) if bias_full.shape[a] == 1 and ds.shape[a] != 1)
+    dbias = ds.sum(axis=axes, keepdims=True).reshape(bias.shape)
+    return out, lse, (dq, dk.sum(-2), dv.sum(-2), dbias)
+
+
+def biased_call(q, k, v, bias, mask, d_out, d_lse, implementation, **kwargs):
+    """``(out, lse [.., H, Tq], (dq, dk, dv, dbias))`` of the public call, jitted."""
+
+    def f(q, k, v, bias):
+        out, res = jattn.dot_product_attention(
+            q, k, v, bias=bias, mask=mask, return_residual=True, implementation=implementation,
+            **kwargs,
+        )  # fmt: skip
+        return out, jnp.swapaxes(res, -1, -2)
+
+    @jax.jit
+    def run(q, k, v, bias):
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        return out, lse, vjp((d_out, d_lse.astype(lse.dtype)))
+
+    return run(q, k, v, bias)
+
+
+def array_inputs(batch, tq, tk, h, kh, d, bias_shape, mask_shape, dtype="float32", seed=0):
+    """q, k, v, d_out, d_lse, a bias and a mask (with fully masked rows where it has rows)."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(dtype)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
+
+    q, k, v = normal(*batch, tq, h, d), normal(*batch, tk, kh, d), normal(*batch, tk, kh, d)
+    d_out, d_lse = normal(*batch, tq, h, d), normal(*batch, h, tq).astype(jnp.float32)
+    bias = None if bias_shape is None else normal(*bias_shape)
+    mask = None
+    if mask_shape is not None:
+        mask = rng.random(mask_shape) < 0.6
+        if mask_shape[-2] > 3:
+            mask[..., 3, :] = False  # a row that attends nothing
+        mask = jnp.asarray(mask)
+    return q, k, v, d_out, d_lse, bias, mask
+
+
+def check_biased(results, reference, dtype, what):
+    out, lse, grads = results
+    ref_out, ref_lse, ref_grads = reference
+    tol = tolerance(dtype)
+    assert_close(out, ref_out, tol, f"{what}: out")
+    seen = ref_lse != 0.0
+    assert_close(np.where(seen, lse, 0.0), ref_lse, tol, f"{what}: lse")
+    assert (np.asarray(lse)[~seen] == jattn.large_negative(jnp.float32)).all(), what
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
+        assert_close(got, want, tol, f"{what}: {name}")
+
+
+def _rebatch(shape, n):
+    """A 4-D shape whose batch axis is 2, with n instead (others unchanged)."""
+    if shape is None or len(shape) != 4 or shape[0] != 2:
+        return shape
+    return (n, *shape[1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "bias_shape, mask_shape",
+    [
+        ((2, 4, 70, 150), None),  # the logits' own shape: dS itself
+        ((1, 4, 70, 150), (2, 1, 70, 150)),  # shared over the batch: summed by XLA
+        ((2, 1, 1, 150), (70, 150)),  # a padding bias per key: column sums
+        ((2, 4, 70, 1), (2, 1, 1, 150)),  # one value per row: row sums
+        ((70, 150), (2, 4, 70, 150)),  # a 2-D bias for every batch row and head
+        ((1,), None),  # a scalar
+    ],
+    ids=str,
+)
+def test_bias_and_mask_arrays_with_the_bias_gradient(bias_shape, mask_shape):
+    """out, lse and dq, dk, dv, dbias (in the bias's own shape) against float64 and dense,
+    GQA, rows the mask hides entirely, both backward modes."""
+    for batch in ((2,), (8,)):  # the two-pass backward; the single pass (16 kv head pairs)
+        shape, mshape = (_rebatch(x, batch[0]) for x in (bias_shape, mask_shape))
+        q, k, v, d_out, d_lse, bias, mask = array_inputs(batch, 70, 150, 4, 2, 16, shape, mshape)
+        mask_np = True if mask is None else np.asarray(mask)
+        ref = np_biased_vjp(q, k, v, bias, mask_np, 0.25, d_out, d_lse)
+        fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused")
+        check_biased(fused, ref, "float32", f"float64, batch {batch}")
+        dense = biased_call(q, k, v, bias, mask, d_out, d_lse, "dense")
+        for name, got, want in zip(("dq", "dk", "dv", "dbias"), fused[2], dense[2], strict=True):
+            assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [1, 255, 256, 257])
+def test_bias_and_mask_at_tile_boundaries(t):
+    """Causal, a per-head bias [1, H, T, T] and a per-key padding mask [B, 1, 1, T]."""
+    q, k, v, d_out, d_lse, bias, _ = array_inputs((2,), t, t, 2, 1, 32, (1, 2, t, t), None)
+    pad = np.arange(t)[None, :] < np.array([[t], [max(t // 2, 1)]])
+    mask = jnp.asarray(pad[:, None, None, :])
+    full = np.tril(np.ones((t, t), bool)) & np.asarray(mask)
+    ref = np_biased_vjp(q, k, v, bias, full, 32**-0.5, d_out, d_lse)
+    fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused", is_causal=True)
+    check_biased(fused, ref, "float32", f"T={t}")
+
+
+@needs_kernel
+def test_bias_and_mask_in_bfloat16_round_like_dense():
+    args = array_inputs((2,), 60, 140, 4, 2, 32, (2, 1, 60, 140), (2, 4, 60, 140), "bfloat16")
+    fused = biased_call(*args[:3], args[5], args[6], args[3], args[4], "cpu_fused")
+    dense = biased_call(*args[:3], args[5], args[6], args[3], args[4], "dense")
+    assert fused[0].dtype == jnp.bfloat16 and fused[2][3].dtype == jnp.bfloat16
+    tol = tolerance("bfloat16")
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*dense[:2], *dense[2]), strict=True):  # fmt: skip
+        assert_close(got, want, tol, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("score_mod", ["softcap", "alibi"])
+def test_bias_is_added_after_the_score_mod(score_mod):
+    """jattn.dense's order: scale, score_mod (soft-cap, ALiBi), then the bias; with sinks."""
+    q, k, v, d_out, d_lse, bias, mask = array_inputs(
+        (2,), 50, 130, 4, 2, 16, (2, 4, 50, 130), (2, 1, 50, 130), seed=3
+    )
+    bias = 4.0 * bias  # large enough to matter against a cap of 2
+    mod = jattn.mods.softcap(2.0) if score_mod == "softcap" else jattn.mods.alibi(
+        jattn.mods.alibi_slopes(4))  # fmt: skip
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    kwargs = dict(score_mod=mod, sinks=sinks, local_window_size=(40, 30))
+    fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused", **kwargs)
+    dense = biased_call(q, k, v, bias, mask, d_out, d_lse, "dense", **kwargs)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*dense[:2], *dense[2]), strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, name)
+
+
+@needs_kernel
+def test_bias_and_mask_under_vmap():
+    q, k, v, _, _, bias, mask = array_inputs((3, 2), 40, 130, 2, 1, 16,
+                                             (3, 1, 1, 40, 130), (2, 1, 1, 130))  # fmt: skip
+
+    def loss(impl):
+        def f(q, k, v, bias, mask):
+            out = jattn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=impl)
+            return (out * jnp.sin(out)).sum()
+
+        return jax.vmap(jax.value_and_grad(f, (0, 3)), in_axes=(0, 0, 0, 0, None))
+
+    (a, (ga, gba)) = loss("cpu_fused")(q, k, v, bias, mask)
+    (b, (gb, gbb)) = loss("dense")(q, k, v, bias, mask)
+    assert gba.shape == bias.shape
+    for name, x, y in (("loss", a, b), ("dq", ga, gb), ("dbias", gba, gbb)):
+        assert_close(x, y, 1e-4, name)

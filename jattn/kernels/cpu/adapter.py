@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from jattn import _prng, mods
+from jattn._util import expand_rank
 from jattn.kernels._contract import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
@@ -70,8 +71,6 @@ def obstacle(query: KernelQuery) -> str | None:
     if query.needs_dense is not None:
         return query.needs_dense
     for flag, what in (
-        (query.has_mask, "a mask array (cpu_fused builds causal, window, lengths, segments)"),
-        (query.has_bias, "a bias array (not in cpu_fused yet)"),
         (query.block_mask, "a block_mask (not in cpu_fused yet)"),
         (query.mask_mod is not None, "a mask_mod callable (it cannot enter C++)"),
         (query.traced_scale, "a traced scale (cpu_fused compiles the scale in)"),
@@ -119,8 +118,19 @@ def _aux(q, k, ops, settings) -> _ops.Aux:
         kv_seg=ids(ops.kv_segments, tk),
         sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
         slopes=_slopes(batch, h, settings),
+        bias=_broadcast_operand(ops.bias, q.ndim, jnp.float32),
+        mask=_broadcast_operand(ops.mask, q.ndim, jnp.bool_),
         **_dropout(batch, h, tq, ops, settings),
     )
+
+
+def _broadcast_operand(x, ndim: int, dtype):
+    """A bias or mask in its own broadcast shape ``[batch...|1, H|1, Tq|1, Tk|1]`` (the
+    kernel reads broadcast axes with stride 0; no copy to the logits' shape), or an
+    all-ones-shaped placeholder."""
+    if x is None:
+        return jnp.zeros((1,) * ndim, dtype)
+    return expand_rank(x, ndim).astype(dtype)
 
 
 def _alibi(score_mod) -> int:
@@ -195,6 +205,8 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         has_sinks=ops.sinks is not None,
         has_dropout=ops.dropout_rng is not None,
         alibi=_alibi(settings.score_mod),
+        has_bias=ops.bias is not None,
+        has_mask=ops.mask is not None,
         block_q=BLOCK_Q,
         block_k=BLOCK_K,
         max_threads=_threads(),
