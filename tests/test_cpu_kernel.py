@@ -620,3 +620,57 @@ def test_bias_and_mask_under_vmap():
     assert gba.shape == bias.shape
     for name, x, y in (("loss", a, b), ("dq", ga, gb), ("dbias", gba, gbb)):
         assert_close(x, y, 1e-4, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tq", [1, 5, 16])
+def test_split_kv_decoding(tq, monkeypatch):
+    """Up to 16 queries against >= 1024 keys split the keys (512 each) over the workers and
+    merge the partial softmaxes: float64 values (a mask, a per-key bias, key lengths, GQA),
+    the same bits with 1 and 2 threads."""
+    tk = 1500
+    q, k, v, d_out, d_lse, bias, mask = array_inputs((2,), tq, tk, 4, 2, 32, (2, 1, 1, tk),
+                                                     (2, 1, tq, tk), seed=tq)  # fmt: skip
+    kv_len = jnp.asarray([tk, 700], jnp.int32)
+    seen = np.asarray(mask) & (np.arange(tk) < np.asarray(kv_len)[:, None, None, None])
+    ref = np_biased_vjp(q, k, v, bias, seen, 32**-0.5, d_out, d_lse)
+
+    def run():
+        out = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused",
+                          key_value_seq_lengths=kv_len)  # fmt: skip
+        return [np.asarray(x) for x in (out[0], out[1], *out[2])]
+
+    fused = run()
+    check_biased((fused[0], fused[1], fused[2:]), ref, "float32", f"tq={tq}")
+    for threads in ("1", "2"):
+        monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
+        for a, b in zip(fused, run(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("capacity", [200, 1100])
+def test_kv_cache_decoding_runs_fused(capacity, monkeypatch):
+    """A decoding step through jattn.kvcache (its mask array) takes the fused kernel by the
+    automatic rule and equals the dense path."""
+    rng = np.random.default_rng(capacity)
+    cache = jattn.kvcache.init_cache(2, capacity, 2, 16)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    prompt = [normal(2, 90, 2, 16) for _ in "kv"]
+    cache = jattn.kvcache.append(cache, *prompt, num_new=jnp.asarray([90, 40]))
+    step = [normal(2, 1, h, 16) for h in (4, 2, 2)]
+    chosen = []
+    choose = _routing.choose
+
+    def spy(implementation, *call):
+        chosen.append(choose(implementation, *call))
+        return chosen[-1]
+
+    monkeypatch.setattr(_routing, "choose", spy)
+    out, _ = jattn.kvcache.update_and_attend(cache, *step)
+    assert chosen == ["cpu_fused"]
+    want, _ = jattn.kvcache.update_and_attend(cache, *step, implementation="dense")
+    assert_close(out, want, 1e-5, "decode step vs dense")
