@@ -674,3 +674,56 @@ def test_kv_cache_decoding_runs_fused(capacity, monkeypatch):
     assert chosen == ["cpu_fused"]
     want, _ = jattn.kvcache.update_and_attend(cache, *step, implementation="dense")
     assert_close(out, want, 1e-5, "decode step vs dense")
+
+
+def _documents(batch, t, seed):
+    """Per-row packed documents: int32 ``[batch, t]`` ids of 2-4 contiguous runs."""
+    rng = np.random.default_rng(seed)
+    ids = [np.repeat(np.arange(4), np.diff([0, *sorted(rng.choice(t, 3, replace=False)), t]))
+           for _ in range(batch)]  # fmt: skip
+    return jnp.asarray(np.stack(ids), jnp.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "mods_name, block, with_mask",
+    [
+        ("causal_window", None, False),  # 128 x 128 tiles against the kernel's
+        ("causal_documents", (64, 32), False),  # per-batch-row states, smaller tiles, FULL ones
+        ("documents", (128, 64), True),  # ANDed with a mask array: FULL tiles still read it
+    ],
+)
+def test_block_mask_tile_states(mods_name, block, with_mask):
+    """A jattn.block_mask: its EMPTY tiles skipped, FULL tiles unmasked, PARTIAL ones read
+    the mask_mod XLA evaluates; out, lse and gradients against float64 and dense."""
+    b, t = 2, 300
+    q, k, v, d_out, d_lse, _, mask = array_inputs((b,), t, t, 4, 2, 16, None, (b, 1, t, t))
+    mask = mask if with_mask else None
+    ids = _documents(b, t, 7)
+    mod = {
+        "causal_window": jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.sliding_window(90)),
+        "causal_documents": jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(ids)),
+        "documents": jattn.mods.document(ids),
+    }[mods_name]
+    bq, bk = block if block is not None else (None, None)
+    batch_shape = None if mods_name == "causal_window" else (b,)
+    bm = jattn.block_mask(mod, q_len=t, kv_len=t, batch_shape=batch_shape, block_q=bq, block_k=bk)
+    states = set(np.unique(np.asarray(bm.state)).tolist())
+    assert states >= ({0, 1} if mods_name == "causal_window" else {0, 1, 2}), states
+    zero_bias = jnp.zeros((1,), jnp.float32)
+
+    def run(impl):
+        return biased_call(q, k, v, zero_bias, mask, d_out, d_lse, impl, block_mask=bm)
+
+    shape = (b, 4, t, t)
+    allowed = np.broadcast_to(np.asarray(jattn.mods.evaluate_mask_mod(mod, shape)), shape)
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    fused = run("cpu_fused")
+    ref = np_biased_vjp(q, k, v, zero_bias, allowed, 0.25, d_out, d_lse)
+    check_biased(fused, ref, "float32", mods_name)
+    dense = run("dense")
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"),
+                               (*fused[:2], *fused[2][:3]), (*dense[:2], *dense[2][:3]),
+                               strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, f"{name} vs dense")

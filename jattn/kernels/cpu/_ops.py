@@ -45,6 +45,8 @@ class Aux(NamedTuple):
         a size-1 axis is broadcast, never copied), added to the logits after the score_mod
         (the dense path's order); all-ones-shaped placeholder without a bias.
       mask: bool, True = attend, in its broadcast shape like ``bias`` (placeholder without).
+      blocks: int8 ``[batch...|1, H|1, nbq, nbk]``: a block mask's tile states
+        (:mod:`jattn.block_masks`; placeholder without), whose ``mask_mod`` is in ``mask``.
     """
 
     q_len: Array
@@ -59,6 +61,7 @@ class Aux(NamedTuple):
     slopes: Array
     bias: Array
     mask: Array
+    blocks: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,9 @@ class Static:
       window_left, window_right: the local window, -1 for no limit on that side.
       has_segments, has_sinks, has_dropout, has_bias, has_mask: whether ``Aux``'s segment
         ids, sinks, dropout, bias and mask operands are real.
+      has_blocks: 0 without a block mask; 1 with one (``mask`` also holds the call's mask
+        array), 2 with one whose ``mask_mod`` is all of ``mask`` (its full tiles skip it).
+      block_mask_q, block_mask_k: the block mask's tile sizes (0 without).
       block_q, block_k: tile sizes.
       alibi: 0 (none), 1 (``slope * (j - i)``) or 2 (symmetric, ``-slope * |j - i|``).
       max_threads: most workers per call (0: every thread of XLA's intra-op pool).
@@ -88,6 +94,9 @@ class Static:
     alibi: int
     has_bias: bool
     has_mask: bool
+    has_blocks: int
+    block_mask_q: int
+    block_mask_k: int
     block_q: int
     block_k: int
     max_threads: int
@@ -104,6 +113,9 @@ class Static:
             alibi=np.int64(self.alibi),
             has_bias=np.int64(self.has_bias),
             has_mask=np.int64(self.has_mask),
+            has_blocks=np.int64(self.has_blocks),
+            block_mask_q=np.int64(self.block_mask_q),
+            block_mask_k=np.int64(self.block_mask_k),
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             max_threads=np.int64(self.max_threads),
@@ -176,7 +188,7 @@ def _attention_bwd(static: Static, residuals, cotangents):
     dq, dk, dv, d_slope_rows, d_bias_rows = call(
         q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
         aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
-        aux.mask, **static.attributes(backward=True), dbias_mode=np.int64(mode),
+        aux.mask, aux.blocks, **static.attributes(backward=True), dbias_mode=np.int64(mode),
     )  # fmt: skip
     d_sinks = jnp.zeros_like(aux.sinks)
     if static.has_sinks:
@@ -188,7 +200,8 @@ def _attention_bwd(static: Static, residuals, cotangents):
     if static.has_bias:
         d_bias = _reduce_to(d_bias_rows.reshape(_dbias_shape(mode, batch, h, tq, k.shape[-3])),
                             aux.bias.shape)  # fmt: skip
-    d_aux = Aux(None, None, None, None, d_sinks, None, None, None, None, d_slopes, d_bias, None)
+    # Only the float operands have gradients; the ints, bools and keys get None.
+    d_aux = Aux(*[None] * len(Aux._fields))._replace(sinks=d_sinks, slopes=d_slopes, bias=d_bias)
     return dq, dk, dv, d_aux
 
 

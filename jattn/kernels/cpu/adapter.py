@@ -71,8 +71,11 @@ def obstacle(query: KernelQuery) -> str | None:
     if query.needs_dense is not None:
         return query.needs_dense
     for flag, what in (
-        (query.block_mask, "a block_mask (not in cpu_fused yet)"),
-        (query.mask_mod is not None, "a mask_mod callable (it cannot enter C++)"),
+        (
+            query.mask_mod is not None and not query.block_mask,
+            "a mask_mod callable without a block_mask (it cannot enter C++; with a "
+            "jattn.block_mask cpu_fused reads its tile states and XLA evaluates it)",
+        ),
         (query.traced_scale, "a traced scale (cpu_fused compiles the scale in)"),
         (not query.default_precision, "an explicit matmul precision (cpu_fused computes fp32)"),
     ):
@@ -119,9 +122,32 @@ def _aux(q, k, ops, settings) -> _ops.Aux:
         sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
         slopes=_slopes(batch, h, settings),
         bias=_broadcast_operand(ops.bias, q.ndim, jnp.float32),
-        mask=_broadcast_operand(ops.mask, q.ndim, jnp.bool_),
+        mask=_broadcast_operand(_mask(q, k, ops, settings), q.ndim, jnp.bool_),
+        blocks=_block_states(batch, ops.block_mask),
         **_dropout(batch, h, tq, ops, settings),
     )
+
+
+def _mask(q, k, ops, settings):
+    """The mask array the kernel reads: the call's, and a block mask's ``mask_mod``
+    evaluated by XLA (bool ``[batch...|1, H|1, Tq, Tk]``: only the axes it varies over)."""
+    if ops.block_mask is None:
+        return ops.mask
+    shape = (*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+    from_mod = mods.evaluate_mask_mod(settings.mask_mod, shape)
+    if ops.mask is None:
+        return from_mod
+    return jnp.logical_and(expand_rank(ops.mask, len(shape)), from_mod)
+
+
+def _block_states(batch, block_mask):
+    """A block mask's int8 tile states ``[B|1, H|1, nbq, nbk]`` with the call's batch dims
+    ``[batch...|1, H|1, nbq, nbk]`` (B is the flattened batch), or a placeholder."""
+    if block_mask is None:
+        return jnp.zeros((1,) * (len(batch) + 3), jnp.int8)
+    state = block_mask.state.astype(jnp.int8)
+    lead = batch if state.shape[0] != 1 else (1,) * len(batch)
+    return state.reshape(*lead, *state.shape[1:])
 
 
 def _broadcast_operand(x, ndim: int, dtype):
@@ -206,7 +232,10 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         has_dropout=ops.dropout_rng is not None,
         alibi=_alibi(settings.score_mod),
         has_bias=ops.bias is not None,
-        has_mask=ops.mask is not None,
+        has_mask=ops.mask is not None or ops.block_mask is not None,
+        has_blocks=0 if ops.block_mask is None else 1 if ops.mask is not None else 2,
+        block_mask_q=0 if ops.block_mask is None else ops.block_mask.block_q,
+        block_mask_k=0 if ops.block_mask is None else ops.block_mask.block_k,
         block_q=BLOCK_Q,
         block_k=BLOCK_K,
         max_threads=_threads(),

@@ -35,6 +35,11 @@ struct Params {
   // The bias gradient the backward writes (before XLA sums the broadcast batch/head axes):
   // 0 none, 1 dS itself [B, H, Tq, Tk], 2 its row sums [B, H, Tq], 3 its column sums [B, H, Tk].
   int64_t dbias_mode;
+  // A block mask's tile states int8 [batch..., H|1, nbq, nbk] (0 empty, 1 partial, 2 full)
+  // of [bm_q, bm_k] tiles, its head stride (0: broadcast); with it the mask array holds the
+  // block mask's mask_mod alone (mask_is_blocks) or ANDed with the call's mask.
+  bool has_blocks, mask_is_blocks;
+  int64_t bm_q, bm_k, nbq, nbk, blocks_sh;
   // Split-KV decoding (forward): key splits of split_k keys each, merged in order (0: off).
   int64_t split_k;
 };
@@ -55,6 +60,8 @@ struct Tensors {
   const int64_t* bias_offset = nullptr;  // [B]: where each flattened batch row's bias starts
   const uint8_t* mask = nullptr;          // bool, True = attend
   const int64_t* mask_offset = nullptr;   // [B]
+  const int8_t* blocks = nullptr;         // the block mask's tile states
+  const int64_t* blocks_offset = nullptr;  // [B]
   // Split-KV partials [B, H, n_splits, Tq] (m, l) and [B, H, n_splits, Tq, Dv] (o).
   float* part_m = nullptr;
   float* part_l = nullptr;

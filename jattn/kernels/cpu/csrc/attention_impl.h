@@ -203,6 +203,7 @@ struct Batch {  // one batch row's lengths, segment ids, dropout rate, bias and 
   float drop_scale;
   const float* bias;    // null: none
   const uint8_t* mask;  // null: none
+  const int8_t* blocks;  // null: none
 };
 
 Batch batch(const Params& p, const Tensors& t, int64_t b) {
@@ -215,6 +216,7 @@ Batch batch(const Params& p, const Tensors& t, int64_t b) {
   r.drop_scale = p.has_dropout ? t.drop_scale[b] : 1.f;
   r.bias = p.has_bias ? t.bias + t.bias_offset[b] : nullptr;
   r.mask = p.has_mask ? t.mask + t.mask_offset[b] : nullptr;
+  r.blocks = p.has_blocks ? t.blocks + t.blocks_offset[b] : nullptr;
   return r;
 }
 
@@ -253,6 +255,21 @@ TileState mask_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i
   return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
 }
 
+// The block mask's verdict on the kernel tile [i0, ie) x [j0, je): empty if every block it
+// overlaps is, full if every one is (the kernel's tiles need not be the block mask's).
+TileState block_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t ie,
+                           int64_t j0, int64_t je) {
+  const int8_t* states = bt.blocks + h * p.blocks_sh;
+  bool any = false, all = true;
+  for (int64_t qb = i0 / p.bm_q; qb <= (ie - 1) / p.bm_q; ++qb)
+    for (int64_t kb = j0 / p.bm_k; kb <= (je - 1) / p.bm_k; ++kb) {
+      const int8_t st = states[qb * p.nbk + kb];
+      any |= st != 0;
+      all &= st == 2;
+    }
+  return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
+}
+
 // lo and hi are nondecreasing in i, so a tile's union and intersection of row ranges come
 // from its first and last rows; segment ids by their ranges (exact for any ids: disjoint
 // ranges share no id, one id on both sides is full); a mask array by reading its tile.
@@ -279,7 +296,14 @@ TileState tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, in
     if (qmax < kmin || kmax < qmin) return TileState::kEmpty;
     full = full && qmin == qmax && kmin == kmax && qmin == kmin;
   }
-  if (bt.mask != nullptr) {
+  TileState blocked = TileState::kPartial;
+  if (bt.blocks != nullptr) {
+    blocked = block_tile_state(p, bt, h, i0, ie, j0, std::min(j1, bt.kv_len));
+    if (blocked == TileState::kEmpty) return TileState::kEmpty;
+  }
+  if (bt.mask != nullptr && blocked == TileState::kFull && p.mask_is_blocks) {
+    // The mask array is the block mask's alone: true on the whole tile.
+  } else if (bt.mask != nullptr) {
     const TileState masked = mask_tile_state(p, bt, h, i0, ie, j0, std::min(j1, bt.kv_len));
     if (masked == TileState::kEmpty) return TileState::kEmpty;
     full = full && masked == TileState::kFull;

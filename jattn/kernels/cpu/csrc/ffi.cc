@@ -121,9 +121,11 @@ void dims4(ffi::Span<const int64_t> d, int64_t* b, int64_t* t, int64_t* h, int64
 // [batch..., H|1, Tq|1, Tk|1] (a size-1 axis is broadcast: stride 0).
 ffi::Error broadcast_layout(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> ad,
                             const Params& p, const char* name, std::vector<int64_t>* offsets,
-                            int64_t* sh, int64_t* si, int64_t* sj) {
+                            int64_t* sh, int64_t* si, int64_t* sj,
+                            const int64_t* last = nullptr) {
   const int64_t r = static_cast<int64_t>(qd.size());
-  const int64_t want[3] = {p.H, p.Tq, p.Tk};
+  const int64_t logits[3] = {p.H, p.Tq, p.Tk};
+  const int64_t* want = last == nullptr ? logits : last;  // the last three axes' full sizes
   if (static_cast<int64_t>(ad.size()) != r)
     return ffi::Error::InvalidArgument(std::string("jattn cpu attention: ") + name +
                                        " must have q's rank");
@@ -187,6 +189,36 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
 }
 
 // Points t at the bias and mask (when given) with their layouts (offsets owns the offsets).
+struct Layouts {  // owns the per-batch-row offsets the Tensors point into
+  std::vector<int64_t> bias, mask, blocks;
+};
+
+// Points t at the block mask's tile states (has_blocks: 1, or 2 when the mask array is the
+// block mask's mask_mod alone) of [bm_q, bm_k] tiles.
+ffi::Error block_states(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::S8>& blocks,
+                        int64_t has_blocks, int64_t bm_q, int64_t bm_k, Params* p, Tensors* t,
+                        Layouts* lay) {
+  p->has_blocks = has_blocks != 0;
+  p->mask_is_blocks = has_blocks == 2;
+  if (!p->has_blocks) return ffi::Error::Success();
+  if (bm_q <= 0 || bm_k <= 0 || !p->has_mask)
+    return ffi::Error::InvalidArgument("jattn cpu attention: block states need their mask");
+  p->bm_q = bm_q;
+  p->bm_k = bm_k;
+  p->nbq = (p->Tq + bm_q - 1) / bm_q;
+  p->nbk = (p->Tk + bm_k - 1) / bm_k;
+  const int64_t last[3] = {p->H, p->nbq, p->nbk};
+  int64_t si, sj;
+  ffi::Error err = broadcast_layout(qd, blocks.dimensions(), *p, "block states", &lay->blocks,
+                                    &p->blocks_sh, &si, &sj, last);
+  if (err.failure()) return err;
+  if ((si != p->nbk && p->nbq != 1) || (sj != 1 && p->nbk != 1))
+    return ffi::Error::InvalidArgument("jattn cpu attention: block states of another size");
+  t->blocks = blocks.typed_data();
+  t->blocks_offset = lay->blocks.data();
+  return ffi::Error::Success();
+}
+
 ffi::Error bias_and_mask(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::F32>& bias,
                          ffi::Buffer<ffi::PRED>& mask, int64_t has_bias, int64_t has_mask,
                          Params* p, Tensors* t, std::vector<int64_t>* bias_offsets,
@@ -220,10 +252,12 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                    ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
                    ffi::Buffer<ffi::F32> slopes, ffi::Buffer<ffi::F32> bias,
-                   ffi::Buffer<ffi::PRED> mask, float scale, float softcap, int64_t causal,
+                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S8> blocks, float scale,
+                   float softcap, int64_t causal,
                    int64_t window_left, int64_t window_right, int64_t has_seg,
                    int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t has_bias,
-                   int64_t has_mask, int64_t block_q, int64_t block_k, int64_t max_threads,
+                   int64_t has_mask, int64_t has_blocks, int64_t block_mask_q,
+                   int64_t block_mask_k, int64_t block_q, int64_t block_k, int64_t max_threads,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   Params p;
   ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
@@ -251,6 +285,10 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   std::vector<int64_t> bias_offsets, mask_offsets;
   err = bias_and_mask(q.dimensions(), bias, mask, has_bias, has_mask, &p, &t, &bias_offsets,
                       &mask_offsets);
+  if (err.failure()) return err;
+  Layouts lay;
+  err = block_states(q.dimensions(), blocks, has_blocks, block_mask_q, block_mask_k, &p, &t,
+                     &lay);
   if (err.failure()) return err;
   if (p.B * p.H * p.Tq == 0) return ffi::Error::Success();
   const Isa& k_isa = isa();
@@ -285,9 +323,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                     ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
                     ffi::Buffer<ffi::F32> slopes, ffi::Buffer<ffi::F32> bias,
-                    ffi::Buffer<ffi::PRED> mask, float scale, float softcap, int64_t causal,
+                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S8> blocks, float scale,
+                    float softcap, int64_t causal,
                     int64_t window_left, int64_t window_right, int64_t has_seg,
                     int64_t has_dropout, int64_t alibi, int64_t has_bias, int64_t has_mask,
+                    int64_t has_blocks, int64_t block_mask_q, int64_t block_mask_k,
                     int64_t dbias_mode, int64_t block_q, int64_t block_k, int64_t max_threads,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dslope,
@@ -323,6 +363,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   std::vector<int64_t> bias_offsets, mask_offsets;
   err = bias_and_mask(q.dimensions(), bias, mask, has_bias, has_mask, &p, &t, &bias_offsets,
                       &mask_offsets);
+  if (err.failure()) return err;
+  Layouts lay;
+  err = block_states(q.dimensions(), blocks, has_blocks, block_mask_q, block_mask_k, &p, &t,
+                     &lay);
   if (err.failure()) return err;
   p.dbias_mode = p.has_bias ? dbias_mode : 0;
   t.dbias = dbias->typed_data();
@@ -372,6 +416,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // slopes
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // blocks
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -383,6 +428,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Attr<int64_t>("alibi")
                                   .Attr<int64_t>("has_bias")
                                   .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_blocks")
+                                  .Attr<int64_t>("block_mask_q")
+                                  .Attr<int64_t>("block_mask_k")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
                                   .Attr<int64_t>("max_threads")
@@ -411,6 +459,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // slopes
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // blocks
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -421,6 +470,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Attr<int64_t>("alibi")
                                   .Attr<int64_t>("has_bias")
                                   .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_blocks")
+                                  .Attr<int64_t>("block_mask_q")
+                                  .Attr<int64_t>("block_mask_k")
                                   .Attr<int64_t>("dbias_mode")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
