@@ -9,12 +9,21 @@ from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` or
 :func:`jattn.mods.alibi` score_mod (plain or symmetric; the slopes get their gradient),
 dropout (jattn's position-keyed generator, :mod:`jattn._prng`, evaluated per weight inside
 the kernel: the same key drops the same weights as the dense and blockwise paths, and no
-mask is stored), and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
-skipped; rows that attend nothing give zero output, zero gradients and
-:func:`jattn.large_negative` as their lse, as every jattn path.
+mask is stored), the log-sum-exp (``return_residual``, differentiable), a ``bias=`` array
+(added after the score_mod, as the dense path does; its gradient comes back in the bias's
+own broadcast shape, reduced without atomics), a boolean ``mask=`` array (read per tile in
+its broadcast shape, so KV-cache decoding runs fused) and a :func:`jattn.block_mask`
+(its EMPTY tiles skipped and FULL tiles computed without a mask, whatever its block sizes;
+its PARTIAL tiles read the ``mask_mod`` XLA evaluates into a bool array of the axes it
+varies over). The bias and mask arrays are passed in their own shapes (broadcast axes read
+with stride 0, never copied to the logits' shape). Tiles the masks hide are skipped (a
+mask array's all-False tiles too); rows that attend nothing give zero output, zero
+gradients and :func:`jattn.large_negative` as their lse, as every jattn path. Up to 16
+queries against 1024 keys or more (decoding) split the keys over the workers (fixed
+512-key splits, merged in order: the result does not depend on the thread count).
 
-Refused (routing falls back to the blockwise or dense path): mask and bias arrays, any
-other ``score_mod``/``mask_mod`` callable, a ``block_mask``, float64, a
+Refused (routing falls back to the blockwise or dense path): a ``mask_mod`` callable
+without a ``block_mask``, any ``score_mod`` other than a bare softcap or alibi, float64, a
 traced scale, an explicit matmul precision, the weight matrix. ``JATTN_CPU_THREADS=n``
 caps the kernel's workers (default: XLA's whole intra-op pool).
 """
