@@ -245,12 +245,23 @@ TileState mask_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i
   const int64_t cols_end = p.mask_sj == 0 ? j0 + 1 : je;
   bool any = false, all = true;
   for (int64_t i = i0; i < rows_end; ++i) {
-    const uint8_t* row = mh + i * p.mask_si;
-    for (int64_t j = j0; j < cols_end; ++j) {
+    const uint8_t* row = mh + i * p.mask_si + j0 * p.mask_sj;
+    int64_t j = 0, n = cols_end - j0;
+    if (p.mask_sj == 1) {  // eight bools (bytes 0 or 1) at a time
+      constexpr uint64_t kOnes = 0x0101010101010101ull;
+      for (; j + 8 <= n; j += 8) {
+        uint64_t word;
+        std::memcpy(&word, row + j, 8);
+        any |= word != 0;
+        all &= word == kOnes;
+      }
+    }
+    for (; j < n; ++j) {
       const bool on = row[j * p.mask_sj] != 0;
       any |= on;
       all &= on;
     }
+    if (any && !all) return TileState::kPartial;
   }
   return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
 }
