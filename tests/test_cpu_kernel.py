@@ -727,3 +727,18 @@ def test_block_mask_tile_states(mods_name, block, with_mask):
                                (*fused[:2], *fused[2][:3]), (*dense[:2], *dense[2][:3]),
                                strict=True):  # fmt: skip
         assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
+def test_dropout_with_bias_and_mask_matches_blockwise():
+    """The same key drops the same weights with a bias and a mask array: out and every
+    gradient (dbias included) equal the blockwise path's."""
+    q, k, v, d_out, d_lse, bias, mask = array_inputs((2,), 140, 160, 4, 2, 32, (2, 1, 1, 160),
+                                                     (2, 4, 140, 160), seed=11)  # fmt: skip
+    kwargs = dict(dropout_rate=0.3, dropout_rng=jax.random.key(2), local_window_size=(60, 20))
+    fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused", **kwargs)
+    blockwise = biased_call(q, k, v, bias, mask, d_out, d_lse, "blockwise", **kwargs)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*blockwise[:2], *blockwise[2]),
+                               strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, f"{name} vs blockwise")
