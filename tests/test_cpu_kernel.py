@@ -279,12 +279,14 @@ ISA_SCRIPT = textwrap.dedent(
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 150, 4, 40)), jnp.float32) for _ in "qkv")
     k, v = k[..., :2, :], v[..., :2, :]
+    bias = jnp.asarray(rng.standard_normal((2, 1, 150, 150)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 4, 1, 150)) < 0.7)
     def loss(impl):
-        def f(q, k, v):
+        def f(q, k, v, bias):
             out = jattn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(70, 5),
-                                              implementation=impl)
+                                              bias=bias, mask=mask, implementation=impl)
             return (out * jnp.sin(out)).sum()
-        return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+        return jax.value_and_grad(f, (0, 1, 2, 3))(q, k, v, bias)
     (a, ga), (b, gb) = loss("cpu_fused"), loss("dense")
     err = max(float(jnp.abs(x - y).max()) for x, y in zip((a, *ga), (b, *gb)))
     print("max error", err)
@@ -297,7 +299,8 @@ ISA_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_narrower_instruction_sets(isa, tmp_path):
-    """The AVX2 and portable builds (JATTN_CPU_ISA picks them) against the dense path."""
+    """The AVX2 and portable builds (JATTN_CPU_ISA picks them) against the dense path, with
+    a bias (and its gradient) and a mask array."""
     if isa == "avx2" and _library.library().isa == "generic":
         pytest.skip("this CPU has no AVX2")
     script = tmp_path / "isa_check.py"
@@ -742,3 +745,23 @@ def test_dropout_with_bias_and_mask_matches_blockwise():
                                (*fused[:2], *fused[2]), (*blockwise[:2], *blockwise[2]),
                                strict=True):  # fmt: skip
         assert_close(got, want, 1e-4, f"{name} vs blockwise")
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [2, 8], ids=["two_pass", "single_pass"])
+@pytest.mark.parametrize("bias_shape", [(1, 4, 100, 170), (1, 1, 1, 170), (1, 4, 100, 1)], ids=str)
+def test_bias_gradient_is_bit_identical_across_thread_counts(batch, bias_shape, monkeypatch):
+    """Each bias-gradient element is written or summed by one worker in a fixed order."""
+    q, k, v, d_out, d_lse, bias, mask = array_inputs((batch,), 100, 170, 4, 2, 16, bias_shape,
+                                                     (batch, 1, 100, 170), seed=5)  # fmt: skip
+
+    def run():
+        out = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused",
+                          local_window_size=(50, 0))  # fmt: skip
+        return [np.asarray(x) for x in (out[0], out[1], *out[2])]
+
+    first = run()
+    for threads in ("1", "2"):
+        monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
+        for a, b in zip(first, run(), strict=True):
+            np.testing.assert_array_equal(a, b)
