@@ -4,7 +4,9 @@ Every option it takes is checked through the public entry, forward (output and
 log-sum-exp) and backward (dq, dk, dv, and the sinks' gradient), against the float64 numpy
 reference and VJP of tests/test_kernels.py and against jattn's dense path; plus boundary
 lengths around its tiles, determinism (run to run and across thread counts), jit/vmap,
-the other instruction-set builds (in subprocesses) and its routing and refusals.
+the other instruction-set builds (in subprocesses) and its routing and refusals; then bias
+and mask arrays in their broadcast shapes (the bias's gradient in its own shape, against
+a float64 reference of this file), block masks, split-KV decoding and the KV cache.
 """
 
 from __future__ import annotations
