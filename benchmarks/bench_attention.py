@@ -1066,8 +1066,9 @@ def decode_candidates(b, t, h, d) -> list[Candidate]:
 def decode_section(*, rounds, quick, log) -> tuple[list[str], list[Goal]]:
     """One decoding step against a long cache, forward (issue 25)."""
     dims = dict(b=1, t=1024, h=2, d=16) if quick else dict(b=1, t=8192, h=32, d=128)
+    sgemm = sgemm_candidate()
     cands = decode_candidates(**dims)
-    interleave(cands, max(rounds, 9))
+    interleave([*cands, sgemm], max(rounds, 9))
     log("decode: " + ", ".join(f"{c.name} {fmt_ms(c.median_s)} ms" for c in cands))
     ours = cands[0]
     rows = [[c.name, fmt_ms(c.median_s), fmt_ratio(paired_ratio(ours, c))] for c in cands]
@@ -1075,7 +1076,7 @@ def decode_section(*, rounds, quick, log) -> tuple[list[str], list[Goal]]:
         f"## Decode step: 1 query vs a {dims['t']}-token cache, B={dims['b']} H={dims['h']} "
         f"D={dims['d']} (forward, not causal)",
         "",
-        f"Machine {load_note(cands)}.",
+        f"sgemm in these rounds: {sgemm_gflops(sgemm):.0f} GFLOP/s; machine {load_note(cands)}.",
         "",
         table(["implementation", "median ms", f"{ours.name} / this"], rows),
         "",
