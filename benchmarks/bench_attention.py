@@ -19,7 +19,10 @@ Sections (all float32, causal):
   ``linen.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` and a PyTorch
   module built on ``scaled_dot_product_attention``;
 * dropout: the cost of a dropout mask from each ``jax.random`` key implementation and
-  from jattn's Philox counters, and a training step with dropout 0.1 against one without.
+  from jattn's Philox counters, and a training step with dropout 0.1 against one without;
+* decode: one decoding step, 1 query against an 8192-token cache (B=1, H=32, D=128, not
+  causal), forward: jattn's fused CPU kernel (split-KV) with key lengths and with the
+  KV cache's boolean ``mask=`` array, jattn dense, and PyTorch SDPA.
 
 The CPU is recorded (model, AVX-512 or not, cores) and a float32 matrix product
 (``[2048, 2048] @ [2048, 2048]`` in jax, "sgemm") is timed in every round of the core and
@@ -874,6 +877,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-core", action="store_true", help="no core / long / accuracy section")
     p.add_argument("--skip-module", action="store_true")
     p.add_argument("--skip-dropout", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "results.md"))
     p.add_argument("--png", default=None, help="plot path (default: --out with -<cpu kind>.png)")
     return p.parse_args(argv)
@@ -937,6 +941,10 @@ def main(argv=None) -> int:
         goals += more
     if not args.skip_dropout:
         text, more = dropout_section(rounds=rounds, mod=mod, core_dims=core_dims, log=log)
+        body += text
+        goals += more
+    if not args.skip_decode:
+        text, more = decode_section(rounds=rounds, quick=quick, log=log)
         body += text
         goals += more
     if results is not None:
@@ -1020,6 +1028,64 @@ def dropout_section(*, rounds, mod, core_dims, log) -> tuple[list[str], list[Goa
         "",
     ]
     log("train steps: " + ", ".join(f"{r[0]} {r[3]}" for r in rows))
+    return body, goals
+
+
+def decode_candidates(b, t, h, d) -> list[Candidate]:
+    """One query ``[b, 1, h, d]`` against ``t`` cached keys: jattn's paths, then torch's."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (b, 1, h, d), jnp.float32)
+    k, v = (jax.random.normal(key, (b, t, h, d), jnp.float32) for key in keys[1:])
+    lengths = jnp.full((b,), t, jnp.int32)
+    mask = jnp.ones((b, 1, 1, t), bool)  # the shape of jattn.kvcache's decode mask
+    attend = jattn.dot_product_attention
+    fns = {}
+    if kernels.adapter("cpu_fused").available("cpu"):
+        fns[f"{FUSED} (lengths)"] = lambda q, k, v: attend(
+            q, k, v, key_value_seq_lengths=lengths, implementation="cpu_fused"
+        )
+        fns[f"{FUSED} (mask=)"] = lambda q, k, v: attend(
+            q, k, v, mask=mask, implementation="cpu_fused"
+        )
+    fns["jattn dense (mask=)"] = lambda q, k, v: attend(q, k, v, mask=mask, implementation="dense")
+    cands = [jax_candidate(name, fn, q, k, v) for name, fn in fns.items()]
+    if torch is not None:
+        gen = torch.Generator().manual_seed(0)
+        tq, tk, tv = (torch.randn(b, h, n, d, generator=gen) for n in (1, t, t))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def run():
+            with torch.no_grad():
+                sdpa(tq, tk, tv)
+
+        run()
+        cands.append(Candidate("torch sdpa", run))
+    return cands
+
+
+def decode_section(*, rounds, quick, log) -> tuple[list[str], list[Goal]]:
+    """One decoding step against a long cache, forward (issue 25)."""
+    dims = dict(b=1, t=1024, h=2, d=16) if quick else dict(b=1, t=8192, h=32, d=128)
+    sgemm = sgemm_candidate()
+    cands = decode_candidates(**dims)
+    interleave([*cands, sgemm], max(rounds, 9))
+    log("decode: " + ", ".join(f"{c.name} {fmt_ms(c.median_s)} ms" for c in cands))
+    ours = cands[0]
+    rows = [[c.name, fmt_ms(c.median_s), fmt_ratio(paired_ratio(ours, c))] for c in cands]
+    body = [
+        f"## Decode step: 1 query vs a {dims['t']}-token cache, B={dims['b']} H={dims['h']} "
+        f"D={dims['d']} (forward, not causal)",
+        "",
+        f"sgemm in these rounds: {sgemm_gflops(sgemm):.0f} GFLOP/s; machine {load_note(cands)}.",
+        "",
+        table(["implementation", "median ms", f"{ours.name} / this"], rows),
+        "",
+    ]
+    goals = []
+    by = {c.name: c for c in cands}
+    if ours.name.startswith(FUSED) and "torch sdpa" in by:
+        r = paired_ratio(ours, by["torch sdpa"])
+        goals.append(Goal("decode step <= 1.0x torch SDPA (issue 25)", fmt_ratio(r), r <= 1.0))
     return body, goals
 
 

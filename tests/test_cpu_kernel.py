@@ -4,7 +4,9 @@ Every option it takes is checked through the public entry, forward (output and
 log-sum-exp) and backward (dq, dk, dv, and the sinks' gradient), against the float64 numpy
 reference and VJP of tests/test_kernels.py and against jattn's dense path; plus boundary
 lengths around its tiles, determinism (run to run and across thread counts), jit/vmap,
-the other instruction-set builds (in subprocesses) and its routing and refusals.
+the other instruction-set builds (in subprocesses) and its routing and refusals; then bias
+and mask arrays in their broadcast shapes (the bias's gradient in its own shape, against
+a float64 reference of this file), block masks, split-KV decoding and the KV cache.
 """
 
 from __future__ import annotations
@@ -279,12 +281,14 @@ ISA_SCRIPT = textwrap.dedent(
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 150, 4, 40)), jnp.float32) for _ in "qkv")
     k, v = k[..., :2, :], v[..., :2, :]
+    bias = jnp.asarray(rng.standard_normal((2, 1, 150, 150)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 4, 1, 150)) < 0.7)
     def loss(impl):
-        def f(q, k, v):
+        def f(q, k, v, bias):
             out = jattn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(70, 5),
-                                              implementation=impl)
+                                              bias=bias, mask=mask, implementation=impl)
             return (out * jnp.sin(out)).sum()
-        return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+        return jax.value_and_grad(f, (0, 1, 2, 3))(q, k, v, bias)
     (a, ga), (b, gb) = loss("cpu_fused"), loss("dense")
     err = max(float(jnp.abs(x - y).max()) for x, y in zip((a, *ga), (b, *gb)))
     print("max error", err)
@@ -297,7 +301,8 @@ ISA_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_narrower_instruction_sets(isa, tmp_path):
-    """The AVX2 and portable builds (JATTN_CPU_ISA picks them) against the dense path."""
+    """The AVX2 and portable builds (JATTN_CPU_ISA picks them) against the dense path, with
+    a bias (and its gradient) and a mask array."""
     if isa == "avx2" and _library.library().isa == "generic":
         pytest.skip("this CPU has no AVX2")
     script = tmp_path / "isa_check.py"
@@ -327,7 +332,11 @@ def test_automatic_rule_takes_it_and_falls_back():
     plain = (Operands(scale=0.25), Settings(is_causal=True), DenseExtras())
     assert chosen(call=plain) == "cpu_fused"
     mask = (Operands(scale=0.25, mask=jnp.ones((512, 512), bool)), Settings(), DenseExtras())
-    assert chosen(call=mask) == "blockwise"
+    assert chosen(call=mask) == "cpu_fused"
+    bias = (Operands(scale=0.25, bias=jnp.ones((2, 1, 512))), Settings(), DenseExtras())
+    assert chosen(call=bias) == "cpu_fused"
+    weights = (Operands(scale=0.25), Settings(), DenseExtras(return_weights=True))
+    assert chosen(call=weights) == "dense"
     key = jax.random.key(0)
     drop = (Operands(scale=0.25, dropout_rate=0.1, dropout_rng=key), Settings(), DenseExtras())
     assert chosen(call=drop) == "cpu_fused"
@@ -340,8 +349,6 @@ def test_automatic_rule_takes_it_and_falls_back():
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        (dict(mask=jnp.ones((8, 8), bool)), "a mask array"),
-        (dict(bias=jnp.zeros((8, 8))), "a bias array"),
         (dict(score_mod=lambda s, b, h, qi, ki: 2 * s), "score_mod"),
         (dict(mask_mod=jattn.mods.causal()), "mask_mod"),
         (dict(return_weights=True), "weight matrix"),
@@ -435,3 +442,328 @@ def test_dropout_outputs_and_gradients_match_blockwise():
     assert_close(out, ref, 1e-4, "out")
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert_close(got, want, 1e-4, name)
+
+
+# ----------------------------------------------------------------------------------------
+# Bias and mask arrays (in their own broadcast shapes), their gradient; decoding
+# ----------------------------------------------------------------------------------------
+
+
+def np_biased_vjp(q, k, v, bias, mask, scale, d_out, d_lse):
+    """float64 ``(out, lse, (dq, dk, dv, dbias))`` of ``softmax(s + bias)`` with the mask
+    (True = attend; rows that see nothing give 0), by hand: ``ds = p (dp - Σ p dp) + p
+    d_lse``, ``dbias = ds`` summed over the bias's broadcast axes (its own shape)."""
+    q, k, v, d_out, bias = (np.asarray(a, np.float64) for a in (q, k, v, d_out, bias))
+    *batch, _, h, d = q.shape
+    tk, kh = k.shape[-3:-1]
+    g = h // kh
+    kf, vf = np.repeat(k, g, axis=-2), np.repeat(v, g, axis=-2)
+    logits = np.einsum("...thd,...shd->...hts", q, kf) * scale
+    bias_full = bias.reshape((1,) * (logits.ndim - bias.ndim) + bias.shape)
+    logits = logits + bias_full
+    mask = np.broadcast_to(mask, logits.shape)
+    row = mask.any(-1, keepdims=True)
+    m = np.where(row, np.where(mask, logits, -np.inf).max(-1, keepdims=True), 0.0)
+    e = np.where(mask, np.exp(np.where(mask, logits - m, 0.0)), 0.0)
+    total = np.where(row, e.sum(-1, keepdims=True), 1.0)
+    p = e / total
+    lse = np.where(row, m + np.log(total), 0.0)[..., 0]
+    out = np.einsum("...hts,...shd->...thd", p, vf)
+    dp = np.einsum("...thd,...shd->...hts", np.asarray(d_out, np.float64), vf)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) + p * np.asarray(d_lse)[..., None]
+    dq = np.einsum("...hts,...shd->...thd", ds, kf) * scale
+    dk = (np.einsum("...hts,...thd->...shd", ds, q) * scale).reshape(*batch, tk, kh, g, d)
+    dv = np.einsum("...hts,...thd->...shd", p, d_out).reshape(*batch, tk, kh, g, -1)
+    axes = tuple(a for a in range(ds.ndim) if bias_full.shape[a] == 1 and ds.shape[a] != 1)
+    dbias = ds.sum(axis=axes, keepdims=True).reshape(bias.shape)
+    return out, lse, (dq, dk.sum(-2), dv.sum(-2), dbias)
+
+
+def biased_call(q, k, v, bias, mask, d_out, d_lse, implementation, **kwargs):
+    """``(out, lse [.., H, Tq], (dq, dk, dv, dbias))`` of the public call, jitted."""
+
+    def f(q, k, v, bias):
+        out, res = jattn.dot_product_attention(
+            q, k, v, bias=bias, mask=mask, return_residual=True, implementation=implementation,
+            **kwargs,
+        )  # fmt: skip
+        return out, jnp.swapaxes(res, -1, -2)
+
+    @jax.jit
+    def run(q, k, v, bias):
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        return out, lse, vjp((d_out, d_lse.astype(lse.dtype)))
+
+    return run(q, k, v, bias)
+
+
+def array_inputs(batch, tq, tk, h, kh, d, bias_shape, mask_shape, dtype="float32", seed=0):
+    """q, k, v, d_out, d_lse, a bias and a mask (with fully masked rows where it has rows)."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(dtype)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
+
+    q, k, v = normal(*batch, tq, h, d), normal(*batch, tk, kh, d), normal(*batch, tk, kh, d)
+    d_out, d_lse = normal(*batch, tq, h, d), normal(*batch, h, tq).astype(jnp.float32)
+    bias = None if bias_shape is None else normal(*bias_shape)
+    mask = None
+    if mask_shape is not None:
+        mask = rng.random(mask_shape) < 0.6
+        if mask_shape[-2] > 3:
+            mask[..., 3, :] = False  # a row that attends nothing
+        mask = jnp.asarray(mask)
+    return q, k, v, d_out, d_lse, bias, mask
+
+
+def check_biased(results, reference, dtype, what):
+    out, lse, grads = results
+    ref_out, ref_lse, ref_grads = reference
+    tol = tolerance(dtype)
+    assert_close(out, ref_out, tol, f"{what}: out")
+    seen = ref_lse != 0.0
+    assert_close(np.where(seen, lse, 0.0), ref_lse, tol, f"{what}: lse")
+    assert (np.asarray(lse)[~seen] == jattn.large_negative(jnp.float32)).all(), what
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
+        assert_close(got, want, tol, f"{what}: {name}")
+
+
+def _rebatch(shape, n):
+    """A 4-D shape whose batch axis is 2, with n instead (others unchanged)."""
+    if shape is None or len(shape) != 4 or shape[0] != 2:
+        return shape
+    return (n, *shape[1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "bias_shape, mask_shape",
+    [
+        ((2, 4, 70, 150), None),  # the logits' own shape: dS itself
+        ((1, 4, 70, 150), (2, 1, 70, 150)),  # shared over the batch: summed by XLA
+        ((2, 1, 1, 150), (70, 150)),  # a padding bias per key: column sums
+        ((2, 4, 70, 1), (2, 1, 1, 150)),  # one value per row: row sums
+        ((70, 150), (2, 4, 70, 150)),  # a 2-D bias for every batch row and head
+        ((1,), None),  # a scalar
+    ],
+    ids=str,
+)
+def test_bias_and_mask_arrays_with_the_bias_gradient(bias_shape, mask_shape):
+    """out, lse and dq, dk, dv, dbias (in the bias's own shape) against float64 and dense,
+    GQA, rows the mask hides entirely, both backward modes."""
+    for batch in ((2,), (8,)):  # the two-pass backward; the single pass (16 kv head pairs)
+        shape, mshape = (_rebatch(x, batch[0]) for x in (bias_shape, mask_shape))
+        q, k, v, d_out, d_lse, bias, mask = array_inputs(batch, 70, 150, 4, 2, 16, shape, mshape)
+        mask_np = True if mask is None else np.asarray(mask)
+        ref = np_biased_vjp(q, k, v, bias, mask_np, 0.25, d_out, d_lse)
+        fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused")
+        check_biased(fused, ref, "float32", f"float64, batch {batch}")
+        dense = biased_call(q, k, v, bias, mask, d_out, d_lse, "dense")
+        for name, got, want in zip(("dq", "dk", "dv", "dbias"), fused[2], dense[2], strict=True):
+            assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [1, 255, 256, 257])
+def test_bias_and_mask_at_tile_boundaries(t):
+    """Causal, a per-head bias [1, H, T, T] and a per-key padding mask [B, 1, 1, T]."""
+    q, k, v, d_out, d_lse, bias, _ = array_inputs((2,), t, t, 2, 1, 32, (1, 2, t, t), None)
+    pad = np.arange(t)[None, :] < np.array([[t], [max(t // 2, 1)]])
+    mask = jnp.asarray(pad[:, None, None, :])
+    full = np.tril(np.ones((t, t), bool)) & np.asarray(mask)
+    ref = np_biased_vjp(q, k, v, bias, full, 32**-0.5, d_out, d_lse)
+    fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused", is_causal=True)
+    check_biased(fused, ref, "float32", f"T={t}")
+
+
+@needs_kernel
+def test_bias_and_mask_in_bfloat16_round_like_dense():
+    args = array_inputs((2,), 60, 140, 4, 2, 32, (2, 1, 60, 140), (2, 4, 60, 140), "bfloat16")
+    fused = biased_call(*args[:3], args[5], args[6], args[3], args[4], "cpu_fused")
+    dense = biased_call(*args[:3], args[5], args[6], args[3], args[4], "dense")
+    assert fused[0].dtype == jnp.bfloat16 and fused[2][3].dtype == jnp.bfloat16
+    tol = tolerance("bfloat16")
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*dense[:2], *dense[2]), strict=True):  # fmt: skip
+        assert_close(got, want, tol, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("score_mod", ["softcap", "alibi"])
+def test_bias_is_added_after_the_score_mod(score_mod):
+    """jattn.dense's order: scale, score_mod (soft-cap, ALiBi), then the bias; with sinks."""
+    q, k, v, d_out, d_lse, bias, mask = array_inputs(
+        (2,), 50, 130, 4, 2, 16, (2, 4, 50, 130), (2, 1, 50, 130), seed=3
+    )
+    bias = 4.0 * bias  # large enough to matter against a cap of 2
+    mod = jattn.mods.softcap(2.0) if score_mod == "softcap" else jattn.mods.alibi(
+        jattn.mods.alibi_slopes(4))  # fmt: skip
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    kwargs = dict(score_mod=mod, sinks=sinks, local_window_size=(40, 30))
+    fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused", **kwargs)
+    dense = biased_call(q, k, v, bias, mask, d_out, d_lse, "dense", **kwargs)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*dense[:2], *dense[2]), strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, name)
+
+
+@needs_kernel
+def test_bias_and_mask_under_vmap():
+    q, k, v, _, _, bias, mask = array_inputs((3, 2), 40, 130, 2, 1, 16,
+                                             (3, 1, 1, 40, 130), (2, 1, 1, 130))  # fmt: skip
+
+    def loss(impl):
+        def f(q, k, v, bias, mask):
+            out = jattn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=impl)
+            return (out * jnp.sin(out)).sum()
+
+        return jax.vmap(jax.value_and_grad(f, (0, 3)), in_axes=(0, 0, 0, 0, None))
+
+    (a, (ga, gba)) = loss("cpu_fused")(q, k, v, bias, mask)
+    (b, (gb, gbb)) = loss("dense")(q, k, v, bias, mask)
+    assert gba.shape == bias.shape
+    for name, x, y in (("loss", a, b), ("dq", ga, gb), ("dbias", gba, gbb)):
+        assert_close(x, y, 1e-4, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tq", [1, 5, 16])
+def test_split_kv_decoding(tq, monkeypatch):
+    """Up to 16 queries against >= 1024 keys split the keys (512 each) over the workers and
+    merge the partial softmaxes: float64 values (a mask, a per-key bias, key lengths, GQA),
+    the same bits with 1 and 2 threads."""
+    tk = 1500
+    q, k, v, d_out, d_lse, bias, mask = array_inputs((2,), tq, tk, 4, 2, 32, (2, 1, 1, tk),
+                                                     (2, 1, tq, tk), seed=tq)  # fmt: skip
+    kv_len = jnp.asarray([tk, 700], jnp.int32)
+    seen = np.asarray(mask) & (np.arange(tk) < np.asarray(kv_len)[:, None, None, None])
+    ref = np_biased_vjp(q, k, v, bias, seen, 32**-0.5, d_out, d_lse)
+
+    def run():
+        out = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused",
+                          key_value_seq_lengths=kv_len)  # fmt: skip
+        return [np.asarray(x) for x in (out[0], out[1], *out[2])]
+
+    fused = run()
+    check_biased((fused[0], fused[1], fused[2:]), ref, "float32", f"tq={tq}")
+    for threads in ("1", "2"):
+        monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
+        for a, b in zip(fused, run(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("capacity", [200, 1100])
+def test_kv_cache_decoding_runs_fused(capacity, monkeypatch):
+    """A decoding step through jattn.kvcache (its mask array) takes the fused kernel by the
+    automatic rule and equals the dense path."""
+    rng = np.random.default_rng(capacity)
+    cache = jattn.kvcache.init_cache(2, capacity, 2, 16)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    prompt = [normal(2, 90, 2, 16) for _ in "kv"]
+    cache = jattn.kvcache.append(cache, *prompt, num_new=jnp.asarray([90, 40]))
+    step = [normal(2, 1, h, 16) for h in (4, 2, 2)]
+    chosen = []
+    choose = _routing.choose
+
+    def spy(implementation, *call):
+        chosen.append(choose(implementation, *call))
+        return chosen[-1]
+
+    monkeypatch.setattr(_routing, "choose", spy)
+    out, _ = jattn.kvcache.update_and_attend(cache, *step)
+    assert chosen == ["cpu_fused"]
+    want, _ = jattn.kvcache.update_and_attend(cache, *step, implementation="dense")
+    assert_close(out, want, 1e-5, "decode step vs dense")
+
+
+def _documents(batch, t, seed):
+    """Per-row packed documents: int32 ``[batch, t]`` ids of 2-4 contiguous runs."""
+    rng = np.random.default_rng(seed)
+    ids = [np.repeat(np.arange(4), np.diff([0, *sorted(rng.choice(t, 3, replace=False)), t]))
+           for _ in range(batch)]  # fmt: skip
+    return jnp.asarray(np.stack(ids), jnp.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "mods_name, block, with_mask",
+    [
+        ("causal_window", None, False),  # 128 x 128 tiles against the kernel's
+        ("causal_documents", (64, 32), False),  # per-batch-row states, smaller tiles, FULL ones
+        ("documents", (128, 64), True),  # ANDed with a mask array: FULL tiles still read it
+    ],
+)
+def test_block_mask_tile_states(mods_name, block, with_mask):
+    """A jattn.block_mask: its EMPTY tiles skipped, FULL tiles unmasked, PARTIAL ones read
+    the mask_mod XLA evaluates; out, lse and gradients against float64 and dense."""
+    b, t = 2, 300
+    q, k, v, d_out, d_lse, _, mask = array_inputs((b,), t, t, 4, 2, 16, None, (b, 1, t, t))
+    mask = mask if with_mask else None
+    ids = _documents(b, t, 7)
+    mod = {
+        "causal_window": jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.sliding_window(90)),
+        "causal_documents": jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(ids)),
+        "documents": jattn.mods.document(ids),
+    }[mods_name]
+    bq, bk = block if block is not None else (None, None)
+    batch_shape = None if mods_name == "causal_window" else (b,)
+    bm = jattn.block_mask(mod, q_len=t, kv_len=t, batch_shape=batch_shape, block_q=bq, block_k=bk)
+    states = set(np.unique(np.asarray(bm.state)).tolist())
+    assert states >= ({0, 1} if mods_name == "causal_window" else {0, 1, 2}), states
+    zero_bias = jnp.zeros((1,), jnp.float32)
+
+    def run(impl):
+        return biased_call(q, k, v, zero_bias, mask, d_out, d_lse, impl, block_mask=bm)
+
+    shape = (b, 4, t, t)
+    allowed = np.broadcast_to(np.asarray(jattn.mods.evaluate_mask_mod(mod, shape)), shape)
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    fused = run("cpu_fused")
+    ref = np_biased_vjp(q, k, v, zero_bias, allowed, 0.25, d_out, d_lse)
+    check_biased(fused, ref, "float32", mods_name)
+    dense = run("dense")
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"),
+                               (*fused[:2], *fused[2][:3]), (*dense[:2], *dense[2][:3]),
+                               strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, f"{name} vs dense")
+
+
+@needs_kernel
+def test_dropout_with_bias_and_mask_matches_blockwise():
+    """The same key drops the same weights with a bias and a mask array: out and every
+    gradient (dbias included) equal the blockwise path's."""
+    q, k, v, d_out, d_lse, bias, mask = array_inputs((2,), 140, 160, 4, 2, 32, (2, 1, 1, 160),
+                                                     (2, 4, 140, 160), seed=11)  # fmt: skip
+    kwargs = dict(dropout_rate=0.3, dropout_rng=jax.random.key(2), local_window_size=(60, 20))
+    fused = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused", **kwargs)
+    blockwise = biased_call(q, k, v, bias, mask, d_out, d_lse, "blockwise", **kwargs)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*blockwise[:2], *blockwise[2]),
+                               strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, f"{name} vs blockwise")
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [2, 8], ids=["two_pass", "single_pass"])
+@pytest.mark.parametrize("bias_shape", [(1, 4, 100, 170), (1, 1, 1, 170), (1, 4, 100, 1)], ids=str)
+def test_bias_gradient_is_bit_identical_across_thread_counts(batch, bias_shape, monkeypatch):
+    """Each bias-gradient element is written or summed by one worker in a fixed order."""
+    q, k, v, d_out, d_lse, bias, mask = array_inputs((batch,), 100, 170, 4, 2, 16, bias_shape,
+                                                     (batch, 1, 100, 170), seed=5)  # fmt: skip
+
+    def run():
+        out = biased_call(q, k, v, bias, mask, d_out, d_lse, "cpu_fused",
+                          local_window_size=(50, 0))  # fmt: skip
+        return [np.asarray(x) for x in (out[0], out[1], *out[2])]
+
+    first = run()
+    for threads in ("1", "2"):
+        monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
+        for a, b in zip(first, run(), strict=True):
+            np.testing.assert_array_equal(a, b)

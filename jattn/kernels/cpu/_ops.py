@@ -41,6 +41,12 @@ class Aux(NamedTuple):
       drop_scale: float32 ``[batch...]``: 1 / keep probability.
       slopes: float32 ``[batch..., H]``: ALiBi slopes (a ``[batch..., 1]`` placeholder
         without ALiBi).
+      bias: float32 in its own broadcast shape ``[batch...|1, H|1, Tq|1, Tk|1]`` (q's rank;
+        a size-1 axis is broadcast, never copied), added to the logits after the score_mod
+        (the dense path's order); all-ones-shaped placeholder without a bias.
+      mask: bool, True = attend, in its broadcast shape like ``bias`` (placeholder without).
+      blocks: int8 ``[batch...|1, H|1, nbq, nbk]``: a block mask's tile states
+        (:mod:`jattn.block_masks`; placeholder without), whose ``mask_mod`` is in ``mask``.
     """
 
     q_len: Array
@@ -53,6 +59,9 @@ class Aux(NamedTuple):
     drop_threshold: Array
     drop_scale: Array
     slopes: Array
+    bias: Array
+    mask: Array
+    blocks: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +73,11 @@ class Static:
       softcap: ``cap`` of ``cap * tanh(logits / cap)``, or 0.0 for none.
       causal: query ``i`` sees keys ``j <= i``.
       window_left, window_right: the local window, -1 for no limit on that side.
-      has_segments, has_sinks, has_dropout: whether ``Aux``'s segment ids, sinks and dropout
-        operands are real.
+      has_segments, has_sinks, has_dropout, has_bias, has_mask: whether ``Aux``'s segment
+        ids, sinks, dropout, bias and mask operands are real.
+      has_blocks: 0 without a block mask; 1 with one (``mask`` also holds the call's mask
+        array), 2 with one whose ``mask_mod`` is all of ``mask`` (its full tiles skip it).
+      block_mask_q, block_mask_k: the block mask's tile sizes (0 without).
       block_q, block_k: tile sizes.
       alibi: 0 (none), 1 (``slope * (j - i)``) or 2 (symmetric, ``-slope * |j - i|``).
       max_threads: most workers per call (0: every thread of XLA's intra-op pool).
@@ -80,6 +92,11 @@ class Static:
     has_sinks: bool
     has_dropout: bool
     alibi: int
+    has_bias: bool
+    has_mask: bool
+    has_blocks: int
+    block_mask_q: int
+    block_mask_k: int
     block_q: int
     block_k: int
     max_threads: int
@@ -94,6 +111,11 @@ class Static:
             has_segments=np.int64(self.has_segments),
             has_dropout=np.int64(self.has_dropout),
             alibi=np.int64(self.alibi),
+            has_bias=np.int64(self.has_bias),
+            has_mask=np.int64(self.has_mask),
+            has_blocks=np.int64(self.has_blocks),
+            block_mask_q=np.int64(self.block_mask_q),
+            block_mask_k=np.int64(self.block_mask_k),
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             max_threads=np.int64(self.max_threads),
@@ -153,18 +175,20 @@ def _attention_bwd(static: Static, residuals, cotangents):
     delta = jnp.swapaxes(jnp.sum(d_out * out, axis=-1), -1, -2) - d_lse  # [batch..., H, Tq]
     *batch, tq, h, _ = q.shape
     slope_rows = (*batch, h, tq) if static.alibi else (*batch, 1, 1)
+    mode, bias_rows = _dbias_layout(aux.bias, static, (*batch, h, tq, k.shape[-3]))
     out_types = (
         jax.ShapeDtypeStruct(q.shape, jnp.float32),
         jax.ShapeDtypeStruct(k.shape, jnp.float32),
         jax.ShapeDtypeStruct(v.shape, jnp.float32),
         jax.ShapeDtypeStruct(slope_rows, jnp.float32),
+        jax.ShapeDtypeStruct(bias_rows, jnp.float32),
     )
     call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
-    dq, dk, dv, d_slope_rows = call(
+    dq, dk, dv, d_slope_rows, d_bias_rows = call(
         q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
-        aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes,
-        **static.attributes(backward=True),
+        aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
+        aux.mask, aux.blocks, **static.attributes(backward=True), dbias_mode=np.int64(mode),
     )  # fmt: skip
     d_sinks = jnp.zeros_like(aux.sinks)
     if static.has_sinks:
@@ -172,8 +196,40 @@ def _attention_bwd(static: Static, residuals, cotangents):
         p_sink = jnp.exp(aux.sinks[..., None] - lse)  # [batch..., H, Tq]
         d_sinks = -jnp.sum(p_sink * delta, axis=-1)
     d_slopes = jnp.sum(d_slope_rows, axis=-1) if static.alibi else jnp.zeros_like(aux.slopes)
-    d_aux = Aux(None, None, None, None, d_sinks, None, None, None, None, d_slopes)
+    d_bias = jnp.zeros_like(aux.bias)
+    if static.has_bias:
+        d_bias = _reduce_to(d_bias_rows.reshape(_dbias_shape(mode, batch, h, tq, k.shape[-3])),
+                            aux.bias.shape)  # fmt: skip
+    # Only the float operands have gradients; the ints, bools and keys get None.
+    d_aux = Aux(*[None] * len(Aux._fields))._replace(sinks=d_sinks, slopes=d_slopes, bias=d_bias)
     return dq, dk, dv, d_aux
+
+
+def _dbias_layout(bias, static: Static, logits: tuple[int, ...]) -> tuple[int, tuple]:
+    """The kernel's bias-gradient mode and output shape (``Params::dbias_mode``): dS itself
+    ``[batch..., H, Tq, Tk]`` (1), its row sums ``[batch..., H, Tq]`` for a bias broadcast
+    over the keys (2), its column sums ``[batch..., H, Tk]`` for one broadcast over the
+    queries (3); the broadcast batch and head axes are summed by XLA."""
+    *batch, h, tq, tk = logits
+    if not static.has_bias:
+        return 0, (*batch, 1, 1)
+    full_q, full_k = bias.shape[-2] == tq, bias.shape[-1] == tk
+    if full_q and full_k:
+        return 1, (*batch, h, tq, tk)
+    if full_k:
+        return 3, (*batch, h, tk)
+    return 2, (*batch, h, tq)
+
+
+def _dbias_shape(mode: int, batch, h: int, tq: int, tk: int) -> tuple[int, ...]:
+    """The kernel's bias gradient with the logits' rank (size 1 on the summed axis)."""
+    return (*batch, h, tq if mode in (1, 2) else 1, tk if mode in (1, 3) else 1)
+
+
+def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """``x`` summed over the axes where ``shape`` (same rank) broadcasts (size 1)."""
+    axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if n != m)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -9,12 +9,21 @@ from ``D``), sinks (with their gradient), a bare :func:`jattn.mods.softcap` or
 :func:`jattn.mods.alibi` score_mod (plain or symmetric; the slopes get their gradient),
 dropout (jattn's position-keyed generator, :mod:`jattn._prng`, evaluated per weight inside
 the kernel: the same key drops the same weights as the dense and blockwise paths, and no
-mask is stored), and the log-sum-exp (``return_residual``, differentiable). Tiles the masks hide are
-skipped; rows that attend nothing give zero output, zero gradients and
-:func:`jattn.large_negative` as their lse, as every jattn path.
+mask is stored), the log-sum-exp (``return_residual``, differentiable), a ``bias=`` array
+(added after the score_mod, as the dense path does; its gradient comes back in the bias's
+own broadcast shape, reduced without atomics), a boolean ``mask=`` array (read per tile in
+its broadcast shape, so KV-cache decoding runs fused) and a :func:`jattn.block_mask`
+(its EMPTY tiles skipped and FULL tiles computed without a mask, whatever its block sizes;
+its PARTIAL tiles read the ``mask_mod`` XLA evaluates into a bool array of the axes it
+varies over). The bias and mask arrays are passed in their own shapes (broadcast axes read
+with stride 0, never copied to the logits' shape). Tiles the masks hide are skipped (a
+mask array's all-False tiles too); rows that attend nothing give zero output, zero
+gradients and :func:`jattn.large_negative` as their lse, as every jattn path. Up to 16
+queries against 1024 keys or more (decoding) split the keys over the workers (fixed
+512-key splits, merged in order: the result does not depend on the thread count).
 
-Refused (routing falls back to the blockwise or dense path): mask and bias arrays, any
-other ``score_mod``/``mask_mod`` callable, a ``block_mask``, float64, a
+Refused (routing falls back to the blockwise or dense path): a ``mask_mod`` callable
+without a ``block_mask``, any ``score_mod`` other than a bare softcap or alibi, float64, a
 traced scale, an explicit matmul precision, the weight matrix. ``JATTN_CPU_THREADS=n``
 caps the kernel's workers (default: XLA's whole intra-op pool).
 """
@@ -29,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jattn import _prng, mods
+from jattn._util import expand_rank
 from jattn.kernels._contract import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
@@ -70,10 +80,11 @@ def obstacle(query: KernelQuery) -> str | None:
     if query.needs_dense is not None:
         return query.needs_dense
     for flag, what in (
-        (query.has_mask, "a mask array (cpu_fused builds causal, window, lengths, segments)"),
-        (query.has_bias, "a bias array (not in cpu_fused yet)"),
-        (query.block_mask, "a block_mask (not in cpu_fused yet)"),
-        (query.mask_mod is not None, "a mask_mod callable (it cannot enter C++)"),
+        (
+            query.mask_mod is not None and not query.block_mask,
+            "a mask_mod callable without a block_mask (it cannot enter C++; with a "
+            "jattn.block_mask cpu_fused reads its tile states and XLA evaluates it)",
+        ),
         (query.traced_scale, "a traced scale (cpu_fused compiles the scale in)"),
         (not query.default_precision, "an explicit matmul precision (cpu_fused computes fp32)"),
     ):
@@ -119,8 +130,42 @@ def _aux(q, k, ops, settings) -> _ops.Aux:
         kv_seg=ids(ops.kv_segments, tk),
         sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
         slopes=_slopes(batch, h, settings),
+        bias=_broadcast_operand(ops.bias, q.ndim, jnp.float32),
+        mask=_broadcast_operand(_mask(q, k, ops, settings), q.ndim, jnp.bool_),
+        blocks=_block_states(batch, ops.block_mask),
         **_dropout(batch, h, tq, ops, settings),
     )
+
+
+def _mask(q, k, ops, settings):
+    """The mask array the kernel reads: the call's, and a block mask's ``mask_mod``
+    evaluated by XLA (bool ``[batch...|1, H|1, Tq, Tk]``: only the axes it varies over)."""
+    if ops.block_mask is None:
+        return ops.mask
+    shape = (*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+    from_mod = mods.evaluate_mask_mod(settings.mask_mod, shape)
+    if ops.mask is None:
+        return from_mod
+    return jnp.logical_and(expand_rank(ops.mask, len(shape)), from_mod)
+
+
+def _block_states(batch, block_mask):
+    """A block mask's int8 tile states ``[B|1, H|1, nbq, nbk]`` with the call's batch dims
+    ``[batch...|1, H|1, nbq, nbk]`` (B is the flattened batch), or a placeholder."""
+    if block_mask is None:
+        return jnp.zeros((1,) * (len(batch) + 3), jnp.int8)
+    state = block_mask.state.astype(jnp.int8)
+    lead = batch if state.shape[0] != 1 else (1,) * len(batch)
+    return state.reshape(*lead, *state.shape[1:])
+
+
+def _broadcast_operand(x, ndim: int, dtype):
+    """A bias or mask in its own broadcast shape ``[batch...|1, H|1, Tq|1, Tk|1]`` (the
+    kernel reads broadcast axes with stride 0; no copy to the logits' shape), or an
+    all-ones-shaped placeholder."""
+    if x is None:
+        return jnp.zeros((1,) * ndim, dtype)
+    return expand_rank(x, ndim).astype(dtype)
 
 
 def _alibi(score_mod) -> int:
@@ -195,6 +240,11 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         has_sinks=ops.sinks is not None,
         has_dropout=ops.dropout_rng is not None,
         alibi=_alibi(settings.score_mod),
+        has_bias=ops.bias is not None,
+        has_mask=ops.mask is not None or ops.block_mask is not None,
+        has_blocks=0 if ops.block_mask is None else 1 if ops.mask is not None else 2,
+        block_mask_q=0 if ops.block_mask is None else ops.block_mask.block_q,
+        block_mask_k=0 if ops.block_mask is None else ops.block_mask.block_k,
         block_q=BLOCK_Q,
         block_k=BLOCK_K,
         max_threads=_threads(),

@@ -3,9 +3,13 @@
 // Layouts (row-major, batch dims flattened to B by the handlers):
 //   q [B, Tq, H, D], k [B, Tk, K, D], v [B, Tk, K, Dv], out [B, Tq, H, Dv], lse [B, H, Tq];
 //   kt [B, K, D, Tkp], vt [B, K, Dv, Tkp] (k, v transposed and zero-padded to Tkp keys);
-//   q_len, kv_len int32 [B]; q_seg int32 [B, Tq], kv_seg int32 [B, Tk]; sinks float [B, H].
+//   q_len, kv_len int32 [B]; q_seg int32 [B, Tq], kv_seg int32 [B, Tk]; sinks float [B, H];
+//   bias float and mask bool in their own broadcast shapes [batch..., H|1, Tq|1, Tk|1], read
+//   through per-batch offsets and strides (0 on a broadcast axis).
 // Query i of batch b sees key j iff i < q_len[b], j < kv_len[b], (not causal or j <= i),
-// (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr) and (no segments or q_seg[i] == kv_seg[j]).
+// (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr), (no segments or q_seg[i] == kv_seg[j])
+// and (no mask or mask[b, h, i, j]). The bias is added to the logits after the soft-cap and
+// ALiBi (jattn.dense's order: scale, score_mod, bias).
 // Dropout keeps weight (i, j) iff top24(mix(mix(j ^ k0[i]) ^ k1[i])) < threshold, with jattn's
 // position-keyed generator (jattn/_prng.py), so the mask is the blockwise and dense paths'.
 #ifndef JATTN_KERNELS_CPU_ATTENTION_H_
@@ -25,6 +29,19 @@ struct Params {
   bool has_seg, has_sinks, has_dropout;
   int64_t alibi;  // 0: none, 1: slope * (j - i), 2: symmetric, -slope * |j - i|
   int64_t bq, bk;  // tile sizes (bk a multiple of the ISA's micro-kernel width)
+  bool has_bias, has_mask;
+  int64_t bias_sh, bias_si, bias_sj;  // the bias's head, query and key strides (0: broadcast)
+  int64_t mask_sh, mask_si, mask_sj;
+  // The bias gradient the backward writes (before XLA sums the broadcast batch/head axes):
+  // 0 none, 1 dS itself [B, H, Tq, Tk], 2 its row sums [B, H, Tq], 3 its column sums [B, H, Tk].
+  int64_t dbias_mode;
+  // A block mask's tile states int8 [batch..., H|1, nbq, nbk] (0 empty, 1 partial, 2 full)
+  // of [bm_q, bm_k] tiles, its head stride (0: broadcast); with it the mask array holds the
+  // block mask's mask_mod alone (mask_is_blocks) or ANDed with the call's mask.
+  bool has_blocks, mask_is_blocks;
+  int64_t bm_q, bm_k, nbq, nbk, blocks_sh;
+  // Split-KV decoding (forward): key splits of split_k keys each, merged in order (0: off).
+  int64_t split_k;
 };
 
 struct Tensors {
@@ -39,6 +56,16 @@ struct Tensors {
   const int32_t* kv_seg = nullptr;
   const float* sinks = nullptr;
   const float* slopes = nullptr;  // ALiBi [B, H]
+  const float* bias = nullptr;
+  const int64_t* bias_offset = nullptr;  // [B]: where each flattened batch row's bias starts
+  const uint8_t* mask = nullptr;          // bool, True = attend
+  const int64_t* mask_offset = nullptr;   // [B]
+  const int8_t* blocks = nullptr;         // the block mask's tile states
+  const int64_t* blocks_offset = nullptr;  // [B]
+  // Split-KV partials [B, H, n_splits, Tq] (m, l) and [B, H, n_splits, Tq, Dv] (o).
+  float* part_m = nullptr;
+  float* part_l = nullptr;
+  float* part_o = nullptr;
   // Dropout (jattn._prng): each row's two Philox keys [B, H, Tq]; per batch row the keep
   // threshold on the top 24 bits and 1 / keep probability.
   const uint32_t* drop_k0 = nullptr;
@@ -55,6 +82,7 @@ struct Tensors {
   float* dk = nullptr;
   float* dv = nullptr;
   float* dslope = nullptr;  // ALiBi [B, H, Tq]: each row's slope gradient
+  float* dbias = nullptr;   // see Params::dbias_mode
 };
 
 // One instruction set's kernels. Each work item is independent and computed in a fixed
@@ -65,6 +93,8 @@ struct Isa {
   int64_t mr;                                   // micro-kernel rows
   int64_t (*scratch_floats)(const Params&);     // per-thread scratch size
   void (*forward_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*split_item)(const Params&, const Tensors&, int64_t item, float* scratch);
+  void (*merge_item)(const Params&, const Tensors&, int64_t item, float* scratch);
   void (*backward_kv_item)(const Params&, const Tensors&, int64_t item, float* scratch);
   void (*backward_q_item)(const Params&, const Tensors&, int64_t item, float* scratch);
   void (*backward_head_item)(const Params&, const Tensors&, int64_t item, float* scratch);

@@ -195,12 +195,15 @@ void gemm_rows_dot(int64_t m, int64_t n, int64_t n_pad, int64_t kc, const float*
 
 enum class TileState { kEmpty, kPartial, kFull };
 
-struct Batch {  // one batch row's lengths, segment ids and dropout rate
+struct Batch {  // one batch row's lengths, segment ids, dropout rate, bias and mask
   int64_t q_len, kv_len;
   const int32_t* q_seg;
   const int32_t* kv_seg;
   uint32_t drop_threshold;
   float drop_scale;
+  const float* bias;    // null: none
+  const uint8_t* mask;  // null: none
+  const int8_t* blocks;  // null: none
 };
 
 Batch batch(const Params& p, const Tensors& t, int64_t b) {
@@ -211,6 +214,9 @@ Batch batch(const Params& p, const Tensors& t, int64_t b) {
   r.kv_seg = p.has_seg ? t.kv_seg + b * p.Tk : nullptr;
   r.drop_threshold = p.has_dropout ? t.drop_threshold[b] : 0;
   r.drop_scale = p.has_dropout ? t.drop_scale[b] : 1.f;
+  r.bias = p.has_bias ? t.bias + t.bias_offset[b] : nullptr;
+  r.mask = p.has_mask ? t.mask + t.mask_offset[b] : nullptr;
+  r.blocks = p.has_blocks ? t.blocks + t.blocks_offset[b] : nullptr;
   return r;
 }
 
@@ -231,11 +237,55 @@ inline void row_range(const Params& p, const Batch& bt, int64_t i, int64_t* lo, 
   *hi = h;
 }
 
+// Whether a mask array hides every position of the tile (kEmpty), none (kFull) or some.
+TileState mask_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t ie,
+                          int64_t j0, int64_t je) {
+  const uint8_t* mh = bt.mask + h * p.mask_sh;
+  const int64_t rows_end = p.mask_si == 0 ? i0 + 1 : ie;  // a broadcast axis: read it once
+  const int64_t cols_end = p.mask_sj == 0 ? j0 + 1 : je;
+  bool any = false, all = true;
+  for (int64_t i = i0; i < rows_end; ++i) {
+    const uint8_t* row = mh + i * p.mask_si + j0 * p.mask_sj;
+    int64_t j = 0, n = cols_end - j0;
+    if (p.mask_sj == 1) {  // eight bools (bytes 0 or 1) at a time
+      constexpr uint64_t kOnes = 0x0101010101010101ull;
+      for (; j + 8 <= n; j += 8) {
+        uint64_t word;
+        std::memcpy(&word, row + j, 8);
+        any |= word != 0;
+        all &= word == kOnes;
+      }
+    }
+    for (; j < n; ++j) {
+      const bool on = row[j * p.mask_sj] != 0;
+      any |= on;
+      all &= on;
+    }
+    if (any && !all) return TileState::kPartial;
+  }
+  return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
+}
+
+// The block mask's verdict on the kernel tile [i0, ie) x [j0, je): empty if every block it
+// overlaps is, full if every one is (the kernel's tiles need not be the block mask's).
+TileState block_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t ie,
+                           int64_t j0, int64_t je) {
+  const int8_t* states = bt.blocks + h * p.blocks_sh;
+  bool any = false, all = true;
+  for (int64_t qb = i0 / p.bm_q; qb <= (ie - 1) / p.bm_q; ++qb)
+    for (int64_t kb = j0 / p.bm_k; kb <= (je - 1) / p.bm_k; ++kb) {
+      const int8_t st = states[qb * p.nbk + kb];
+      any |= st != 0;
+      all &= st == 2;
+    }
+  return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
+}
+
 // lo and hi are nondecreasing in i, so a tile's union and intersection of row ranges come
 // from its first and last rows; segment ids by their ranges (exact for any ids: disjoint
-// ranges share no id, one id on both sides is full).
-TileState tile_state(const Params& p, const Batch& bt, int64_t i0, int64_t i1, int64_t j0,
-                     int64_t j1) {
+// ranges share no id, one id on both sides is full); a mask array by reading its tile.
+TileState tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t i1,
+                     int64_t j0, int64_t j1) {
   int64_t ie = std::min(i1, bt.q_len);
   if (ie <= i0 || j0 >= bt.kv_len) return TileState::kEmpty;
   int64_t lo_first, hi_first, lo_last, hi_last;
@@ -257,27 +307,44 @@ TileState tile_state(const Params& p, const Batch& bt, int64_t i0, int64_t i1, i
     if (qmax < kmin || kmax < qmin) return TileState::kEmpty;
     full = full && qmin == qmax && kmin == kmax && qmin == kmin;
   }
+  TileState blocked = TileState::kPartial;
+  if (bt.blocks != nullptr) {
+    blocked = block_tile_state(p, bt, h, i0, ie, j0, std::min(j1, bt.kv_len));
+    if (blocked == TileState::kEmpty) return TileState::kEmpty;
+  }
+  if (bt.mask != nullptr && blocked == TileState::kFull && p.mask_is_blocks) {
+    // The mask array is the block mask's alone: true on the whole tile.
+  } else if (bt.mask != nullptr) {
+    const TileState masked = mask_tile_state(p, bt, h, i0, ie, j0, std::min(j1, bt.kv_len));
+    if (masked == TileState::kEmpty) return TileState::kEmpty;
+    full = full && masked == TileState::kFull;
+  }
   return full ? TileState::kFull : TileState::kPartial;
 }
 
 // Row i's visible columns of the tile starting at key j0 with nk keys: [cl, ch) and, when
-// *seg is set, only those whose key segment equals *seg.
+// use_seg is set, only those whose key segment equals seg, and when mrow is set (the mask
+// array's row at j0, key stride msj), only those it lets through.
 struct RowMask {
   int32_t cl, ch;
   bool use_seg;
   int32_t seg;
+  const uint8_t* mrow;
+  int64_t msj;
 };
 
-inline RowMask row_mask(const Params& p, const Batch& bt, TileState state, int64_t i, int64_t j0,
-                        int64_t nk) {
-  if (state == TileState::kFull) return {0, static_cast<int32_t>(nk), false, 0};
-  if (i >= bt.q_len) return {0, 0, false, 0};
+inline RowMask row_mask(const Params& p, const Batch& bt, TileState state, int64_t h, int64_t i,
+                        int64_t j0, int64_t nk) {
+  if (state == TileState::kFull) return {0, static_cast<int32_t>(nk), false, 0, nullptr, 0};
+  if (i >= bt.q_len) return {0, 0, false, 0, nullptr, 0};
   int64_t lo, hi;
   row_range(p, bt, i, &lo, &hi);
   int64_t cl = std::max<int64_t>(lo - j0, 0), ch = std::min<int64_t>(hi - j0, nk);
   if (ch < cl) ch = cl;
+  const uint8_t* mrow =
+      bt.mask == nullptr ? nullptr : bt.mask + h * p.mask_sh + i * p.mask_si + j0 * p.mask_sj;
   return {static_cast<int32_t>(cl), static_cast<int32_t>(ch), p.has_seg,
-          p.has_seg ? bt.q_seg[i] : 0};
+          p.has_seg ? bt.q_seg[i] : 0, mrow, p.mask_sj};
 }
 
 // The tile's key segment ids, padded to its column count (read by the vector mask).
@@ -288,10 +355,25 @@ void copy_kv_segments(const Params& p, const Batch& bt, int64_t j0, int64_t nk, 
   for (int64_t j = nk; j < ncols; ++j) dst[j] = 0;
 }
 
+// The mask array's bits of columns c ... c + W - 1 (false from ch on: never read past it).
+inline vi mask_bits(const RowMask& rm, int64_t c) {
+  if (rm.msj == 0) return splati(rm.mrow[0] ? -1 : 0);
+  if (c + W <= rm.ch) {
+    typedef uint8_t vb __attribute__((vector_size(W)));
+    vb x;
+    std::memcpy(&x, rm.mrow + c, W);
+    return __builtin_convertvector(x, vi) != splati(0);
+  }
+  vi r = splati(0);
+  for (int u = 0; u < W && c + u < rm.ch; ++u) r[u] = rm.mrow[c + u] ? -1 : 0;
+  return r;
+}
+
 inline vi visible(const RowMask& rm, int64_t c, const int32_t* kseg) {
   vi col = iota() + static_cast<int32_t>(c);
   vi ok = (col >= splati(rm.cl)) & (col < splati(rm.ch));
   if (rm.use_seg) ok &= loadi(kseg + c) == splati(rm.seg);
+  if (rm.mrow != nullptr) ok &= mask_bits(rm, c);
   return ok;
 }
 
@@ -333,6 +415,24 @@ inline void scaled_logits(const Params& p, float* s, int64_t ncols, float* t,
   }
 }
 
+// Row i's bias from key j0 on (null: no bias).
+inline const float* bias_row(const Params& p, const Batch& bt, int64_t h, int64_t i,
+                             int64_t j0) {
+  return bt.bias == nullptr ? nullptr
+                            : bt.bias + h * p.bias_sh + i * p.bias_si + j0 * p.bias_sj;
+}
+
+// The bias added to the row's first nk logits (the rest are padding, never visible).
+inline void add_bias(const Params& p, float* s, const float* brow, int64_t nk) {
+  if (brow == nullptr) return;
+  if (p.bias_sj == 0) {
+    const float x = brow[0];
+    for (int64_t c = 0; c < nk; ++c) s[c] += x;
+  } else {
+    for (int64_t c = 0; c < nk; ++c) s[c] += brow[c];
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------
@@ -347,10 +447,12 @@ inline Blocks blocks(const Params& p) {
 
 // One row of the online softmax: s (the row's logits, ncols) becomes P in place; m, l and
 // the output row o (length dv) are updated for the new running max.
-inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
+inline void softmax_row(const Params& p, float* s, int64_t ncols, int64_t nk, const RowMask& rm,
                         const int32_t* kseg, const RowDropout& rd, const RowAlibi& ra,
-                        int64_t j0, float* m, float* l, float* o, int64_t dv) {
+                        const float* brow, int64_t j0, float* m, float* l, float* o,
+                        int64_t dv) {
   scaled_logits(p, s, ncols, nullptr, ra, j0);
+  add_bias(p, s, brow, nk);
   vf vmax = splat(-kInf);
   for (int64_t c = 0; c < ncols; c += W) {
     vf x = load(s + c);
@@ -379,58 +481,122 @@ inline void softmax_row(const Params& p, float* s, int64_t ncols, const RowMask&
 
 int64_t forward_scratch(const Params& p) { return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.bk; }
 
-void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
-  const Blocks nb = blocks(p);
-  const int64_t bh = item % (p.B * p.H);
-  const int64_t qb = nb.nqb - 1 - item / (p.B * p.H);  // the longest rows first
-  const int64_t b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.K);
-  const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
-  const Batch bt = batch(p, t, b);
+struct ForwardTile {  // one item's running state (o unnormalised, m, l) and tile scratch
+  float *o, *m, *l, *s;
+  int32_t* kseg;
+};
 
-  float* o = scratch;             // [bq, Dv]
-  float* m = o + p.bq * p.Dv;     // [bq]
-  float* l = m + p.bq;            // [bq]
-  float* s = l + p.bq;            // [bq, bk]
-  int32_t* kseg = reinterpret_cast<int32_t*>(s + p.bq * p.bk);  // [bk]
-  std::fill(o, o + nq * p.Dv, 0.f);
+ForwardTile forward_tile(const Params& p, float* scratch) {
+  ForwardTile w;
+  w.o = scratch;            // [bq, Dv]
+  w.m = w.o + p.bq * p.Dv;  // [bq]
+  w.l = w.m + p.bq;         // [bq]
+  w.s = w.l + p.bq;         // [bq, bk]
+  w.kseg = reinterpret_cast<int32_t*>(w.s + p.bq * p.bk);  // [bk]
+  return w;
+}
+
+// The online softmax of rows [i0, i0 + nq) of (b, h) over key blocks [kb0, kb1), from an
+// empty state (or the sink's logit, with_sink: the running max starts there).
+void forward_blocks(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t i0,
+                    int64_t nq, int64_t kb0, int64_t kb1, bool with_sink, const ForwardTile& w) {
+  const int64_t kh = h / (p.H / p.K);
+  const Batch bt = batch(p, t, b);
+  std::fill(w.o, w.o + nq * p.Dv, 0.f);
   for (int64_t r = 0; r < nq; ++r) {
-    // A sink is one more logit in the row's softmax: the running max starts there.
-    m[r] = p.has_sinks ? t.sinks[b * p.H + h] : -kInf;
-    l[r] = p.has_sinks ? 1.f : 0.f;
+    w.m[r] = with_sink ? t.sinks[b * p.H + h] : -kInf;
+    w.l[r] = with_sink ? 1.f : 0.f;
   }
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
   const int64_t q_rs = p.H * p.D, v_rs = p.K * p.Dv;
   const float* kt_head = t.kt == nullptr ? nullptr : t.kt + (b * p.K + kh) * p.D * p.Tkp;
-  for (int64_t kb = 0; kb < nb.nkb; ++kb) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
-    const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+    const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
-    copy_kv_segments(p, bt, j0, nk, ncols, kseg);
+    copy_kv_segments(p, bt, j0, nk, ncols, w.kseg);
     if (kt_head != nullptr) {
-      gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
+      gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, w.s, p.bk, false);
     } else {  // a few queries: no transposed copy of the keys was made
       const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
-      gemm_rows_dot(nq, nk, ncols, p.D, qp, q_rs, kp, p.K * p.D, s, p.bk);
+      gemm_rows_dot(nq, nk, ncols, p.D, qp, q_rs, kp, p.K * p.D, w.s, p.bk);
     }
     for (int64_t r = 0; r < nq; ++r) {
-      const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
-      const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
-      const RowAlibi ra = row_alibi(p, t, b, h, i0 + r);
-      softmax_row(p, s + r * p.bk, ncols, rm, kseg, rd, ra, j0, m + r, l + r, o + r * p.Dv,
-                  p.Dv);
+      const int64_t i = i0 + r;
+      softmax_row(p, w.s + r * p.bk, ncols, nk, row_mask(p, bt, state, h, i, j0, nk), w.kseg,
+                  row_dropout(p, t, bt, b, h, i), row_alibi(p, t, b, h, i),
+                  bias_row(p, bt, h, i, j0), j0, w.m + r, w.l + r, w.o + r * p.Dv, p.Dv);
     }
-    gemm(nq, p.Dv, nk, s, p.bk, 1, vp, v_rs, o, p.Dv, true);
+    gemm(nq, p.Dv, nk, w.s, p.bk, 1, vp, v_rs, w.o, p.Dv, true);
   }
-  for (int64_t r = 0; r < nq; ++r) {
-    float* out = t.out + ((b * p.Tq + i0 + r) * p.H + h) * p.Dv;
-    float* lse = t.lse + (b * p.H + h) * p.Tq + i0 + r;
-    // No visible key (and no sink): zero output, jattn.large_negative as the lse.
-    bool none = l[r] == 0.f;
-    float inv = none ? 0.f : 1.f / l[r];
-    for (int64_t d = 0; d < p.Dv; ++d) out[d] = o[r * p.Dv + d] * inv;
-    *lse = none ? kLargeNegative : m[r] + std::log(l[r]);
+}
+
+// Row i's output and lse from its unnormalised output o, running max m and sum l. No
+// visible key (and no sink): zero output, jattn.large_negative as the lse.
+inline void finish_row(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t i,
+                       const float* o, float m, float l) {
+  float* out = t.out + ((b * p.Tq + i) * p.H + h) * p.Dv;
+  const bool none = l == 0.f;
+  const float inv = none ? 0.f : 1.f / l;
+  for (int64_t d = 0; d < p.Dv; ++d) out[d] = o[d] * inv;
+  t.lse[(b * p.H + h) * p.Tq + i] = none ? kLargeNegative : m + std::log(l);
+}
+
+// One (batch, head, query block) over every key block.
+void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const Blocks nb = blocks(p);
+  const int64_t bh = item % (p.B * p.H);
+  const int64_t qb = nb.nqb - 1 - item / (p.B * p.H);  // the longest rows first
+  const int64_t b = bh / p.H, h = bh % p.H;
+  const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+  const ForwardTile w = forward_tile(p, scratch);
+  forward_blocks(p, t, b, h, i0, nq, 0, nb.nkb, p.has_sinks, w);
+  for (int64_t r = 0; r < nq; ++r) finish_row(p, t, b, h, i0 + r, w.o + r * p.Dv, w.m[r], w.l[r]);
+}
+
+// Split-KV decoding: one (batch, head, query block, key split) into the partials; the
+// sink enters split 0 only.
+inline int64_t splits(const Params& p) { return (p.Tk + p.split_k - 1) / p.split_k; }
+
+void split_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const Blocks nb = blocks(p);
+  const int64_t ns = splits(p), per_split = p.split_k / p.bk;
+  const int64_t bh = item % (p.B * p.H), split = item / (p.B * p.H) % ns;
+  const int64_t qb = item / (p.B * p.H * ns);
+  const int64_t b = bh / p.H, h = bh % p.H;
+  const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+  const ForwardTile w = forward_tile(p, scratch);
+  const int64_t kb0 = split * per_split, kb1 = std::min(nb.nkb, kb0 + per_split);
+  forward_blocks(p, t, b, h, i0, nq, kb0, kb1, p.has_sinks && split == 0, w);
+  const int64_t row = (bh * ns + split) * p.Tq + i0;
+  std::copy(w.m, w.m + nq, t.part_m + row);
+  std::copy(w.l, w.l + nq, t.part_l + row);
+  std::copy(w.o, w.o + nq * p.Dv, t.part_o + row * p.Dv);
+}
+
+// The partial softmaxes of one (batch, head, query block) merged in split order.
+void merge_item(const Params& p, const Tensors& t, int64_t item, float* scratch) {
+  const int64_t ns = splits(p);
+  const int64_t bh = item % (p.B * p.H), qb = item / (p.B * p.H);
+  const int64_t b = bh / p.H, h = bh % p.H;
+  const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
+  float* o = scratch;  // [Dv]
+  for (int64_t i = i0; i < i0 + nq; ++i) {
+    float m = -kInf;
+    for (int64_t sp = 0; sp < ns; ++sp) m = std::max(m, t.part_m[(bh * ns + sp) * p.Tq + i]);
+    float l = 0.f;
+    std::fill(o, o + p.Dv, 0.f);
+    for (int64_t sp = 0; sp < ns; ++sp) {
+      const int64_t row = (bh * ns + sp) * p.Tq + i;
+      if (t.part_m[row] == -kInf) continue;  // nothing visible in this split
+      const float alpha = std::exp(t.part_m[row] - m);
+      l += t.part_l[row] * alpha;
+      const float* po = t.part_o + row * p.Dv;
+      for (int64_t d = 0; d < p.Dv; ++d) o[d] += po[d] * alpha;
+    }
+    finish_row(p, t, b, h, i, o, m, l);
   }
 }
 
@@ -439,10 +605,11 @@ void forward_item(const Params& p, const Tensors& t, int64_t item, float* scratc
 // ---------------------------------------------------------------------------------------
 
 // P of one row from the saved lse (in place), tanh kept in t when soft-capping.
-inline void probabilities_row(const Params& p, float* s, int64_t ncols, const RowMask& rm,
-                              const int32_t* kseg, float lse, float* t, const RowAlibi& ra,
-                              int64_t j0) {
+inline void probabilities_row(const Params& p, float* s, int64_t ncols, int64_t nk,
+                              const RowMask& rm, const int32_t* kseg, float lse, float* t,
+                              const RowAlibi& ra, const float* brow, int64_t j0) {
   scaled_logits(p, s, ncols, t, ra, j0);
+  add_bias(p, s, brow, nk);
   const vf lv = splat(lse);
   for (int64_t c = 0; c < ncols; c += W) {
     vf x = visible(rm, c, kseg) ? load(s + c) - lv : splat(-kInf);
@@ -450,14 +617,43 @@ inline void probabilities_row(const Params& p, float* s, int64_t ncols, const Ro
   }
 }
 
+// Where one row's bias gradient goes (Params::dbias_mode; p null: not this pass's):
+// mode 1 the row of dS from key j0 on, 2 the row's sum, 3 the column sums from key j0 on.
+struct DbiasRow {
+  int64_t mode;
+  float* p;
+};
+
+// Rows are owned by the dQ pass (and the single pass), key columns by the dK/dV pass.
+inline DbiasRow dbias_row(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t i,
+                          int64_t j0, bool rows, bool cols) {
+  const int64_t bh = b * p.H + h;
+  if (p.dbias_mode == 1 && rows) return {1, t.dbias + (bh * p.Tq + i) * p.Tk + j0};
+  if (p.dbias_mode == 2 && rows) return {2, t.dbias + bh * p.Tq + i};
+  if (p.dbias_mode == 3 && cols) return {3, t.dbias + bh * p.Tk + j0};
+  return {0, nullptr};
+}
+
+// dS of columns c ... c + W - 1 into the bias gradient (columns past nk are padding).
+inline void record_dbias(const DbiasRow& db, int64_t c, int64_t nk, vf ds, vf* row_sum) {
+  if (db.mode == 2) {
+    *row_sum += ds;  // padding columns hold exactly 0 (P is 0 there)
+  } else if (c + W <= nk) {
+    store(db.p + c, db.mode == 1 ? ds : load(db.p + c) + ds);
+  } else {
+    for (int u = 0; c + u < nk; ++u) db.p[c + u] = db.mode == 1 ? ds[u] : db.p[c + u] + ds[u];
+  }
+}
+
 // dS = P * (Z dP - delta) (* (1 - tanh^2) when soft-capping) * scale, into dp, with Z the
 // dropout multipliers; with drop_p, P becomes Z P in place (for dV). With dslope, the row's
-// ALiBi slope gradient sum_j dS_ij (j - i) (before the scale) is added to *dslope.
-inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, float delta,
-                        const float* t, const RowDropout& rd, int64_t j0, bool drop_p,
-                        const RowAlibi& ra, float* dslope) {
+// ALiBi slope gradient sum_j dS_ij (j - i) (before the scale) is added to *dslope; dS
+// before the scale and the soft-cap (the bias's gradient) goes where db says.
+inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, int64_t nk,
+                        float delta, const float* t, const RowDropout& rd, int64_t j0,
+                        bool drop_p, const RowAlibi& ra, float* dslope, const DbiasRow& db) {
   const vf dv = splat(delta), sc = splat(p.scale);
-  vf slope_acc = vf{};
+  vf slope_acc = vf{}, bias_acc = vf{};
   for (int64_t c = 0; c < ncols; c += W) {
     vf pr = load(prob + c), g = load(dp + c);
     if (rd.on) {
@@ -467,9 +663,11 @@ inline void dlogits_row(const Params& p, float* prob, float* dp, int64_t ncols, 
     }
     vf ds = pr * (g - dv);
     if (dslope != nullptr) slope_acc += ds * alibi_distance(ra, j0 + c);
+    if (db.p != nullptr) record_dbias(db, c, nk, ds, &bias_acc);
     store(dp + c, ds * sc);
   }
   if (dslope != nullptr) *dslope += hsum(slope_acc);
+  if (db.mode == 2 && db.p != nullptr) *db.p += hsum(bias_acc);
   if (p.softcap != 0.f)
     for (int64_t c = 0; c < ncols; ++c) dp[c] *= 1.f - t[c] * t[c];
 }
@@ -480,10 +678,12 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
   int32_t* kseg;
 };
 
-// S -> P and dP -> dS for one tile whose kt, vt and kseg are packed.
+// S -> P and dP -> dS for one tile whose kt, vt and kseg are packed. cols: this pass owns
+// the tile's key columns (dK, dV: P becomes Z P for dV; the bias's column sums); rows: its
+// query rows (the slopes' and the bias's row gradients).
 void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
                    TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
-                   int64_t nk, int64_t ncols, bool drop_p, bool slopes) {
+                   int64_t nk, int64_t ncols, bool cols, bool rows) {
   const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
   const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
   gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
@@ -491,15 +691,31 @@ void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const Bac
   const float* lse = t.lse + (b * p.H + h) * p.Tq + i0;
   const float* delta = t.delta + (b * p.H + h) * p.Tq + i0;
   for (int64_t r = 0; r < nq; ++r) {
-    const RowMask rm = row_mask(p, bt, state, i0 + r, j0, nk);
+    const int64_t i = i0 + r;
+    const RowMask rm = row_mask(p, bt, state, h, i, j0, nk);
     float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
-    const RowAlibi ra = row_alibi(p, t, b, h, i0 + r);
-    probabilities_row(p, w.s + r * p.bk, ncols, rm, w.kseg, lse[r], th, ra, j0);
-    const RowDropout rd = row_dropout(p, t, bt, b, h, i0 + r);
-    float* dslope = slopes && ra.on ? t.dslope + (b * p.H + h) * p.Tq + i0 + r : nullptr;
-    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, delta[r], th, rd, j0, drop_p, ra,
-                dslope);
+    const RowAlibi ra = row_alibi(p, t, b, h, i);
+    probabilities_row(p, w.s + r * p.bk, ncols, nk, rm, w.kseg, lse[r], th, ra,
+                      bias_row(p, bt, h, i, j0), j0);
+    const RowDropout rd = row_dropout(p, t, bt, b, h, i);
+    float* dslope = rows && ra.on ? t.dslope + (b * p.H + h) * p.Tq + i : nullptr;
+    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, nk, delta[r], th, rd, j0, cols, ra,
+                dslope, dbias_row(p, t, b, h, i, j0, rows, cols));
   }
+}
+
+// Zeroes the bias gradient of head h's rows [i0, i0 + nq) (modes 1, 2: the rows' owner) and
+// of its keys [j0, j0 + nk) (mode 3: the columns' owner), before the tiles add to it.
+void zero_dbias_rows(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t i0,
+                     int64_t nq) {
+  const int64_t bh = b * p.H + h;
+  if (p.dbias_mode == 1) std::fill_n(t.dbias + (bh * p.Tq + i0) * p.Tk, nq * p.Tk, 0.f);
+  if (p.dbias_mode == 2) std::fill_n(t.dbias + bh * p.Tq + i0, nq, 0.f);
+}
+
+void zero_dbias_cols(const Params& p, const Tensors& t, int64_t b, int64_t h, int64_t j0,
+                     int64_t nk) {
+  if (p.dbias_mode == 3) std::fill_n(t.dbias + (b * p.H + h) * p.Tk + j0, nk, 0.f);
 }
 
 int64_t backward_scratch(const Params& p) {
@@ -544,9 +760,10 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
   std::fill(dv, dv + nk * p.Dv, 0.f);
   set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
   for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+    zero_dbias_cols(p, t, b, h, j0, nk);
     for (int64_t qb = 0; qb < nb.nqb; ++qb) {
       const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
-      const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+      const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
       if (state == TileState::kEmpty) continue;
       backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, false);
       const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
@@ -575,9 +792,10 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
   float* dq = backward_accumulators(p, scratch);  // [nq, D]
   std::fill(dq, dq + nq * p.D, 0.f);
   if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq + i0, nq, 0.f);
+  zero_dbias_rows(p, t, b, h, i0, nq);
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
-    const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+    const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
@@ -605,6 +823,8 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
     for (int64_t i = 0; i < p.Tq; ++i)
       std::fill_n(t.dq + ((b * p.Tq + i) * p.H + h) * p.D, p.D, 0.f);
     if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq, p.Tq, 0.f);
+    zero_dbias_rows(p, t, b, h, 0, p.Tq);
+    zero_dbias_cols(p, t, b, h, 0, p.Tk);
   }
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
@@ -616,7 +836,7 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
     for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
       for (int64_t qb = 0; qb < nb.nqb; ++qb) {
         const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
-        const TileState state = tile_state(p, bt, i0, i0 + nq, j0, j0 + nk);
+        const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
         if (state == TileState::kEmpty) continue;
         backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, true);
         const int64_t row = (b * p.Tq + i0) * p.H + h;
@@ -638,8 +858,9 @@ int64_t scratch_floats(const Params& p) {
   return std::max(forward_scratch(p), backward_scratch(p)) + 64;
 }
 
-const Isa kIsa = {JATTN_ISA_NAME,   NR,           MR, scratch_floats, forward_item,
-                  backward_kv_item, backward_q_item, backward_head_item};
+const Isa kIsa = {JATTN_ISA_NAME,   NR,           MR,         scratch_floats,
+                  forward_item,     split_item,   merge_item, backward_kv_item,
+                  backward_q_item,  backward_head_item};
 
 }  // namespace
 }  // namespace JATTN_ISA

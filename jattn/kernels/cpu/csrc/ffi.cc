@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -95,6 +96,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t threads, int64_t scr
 
 // From this many (batch, kv head) pairs on, the backward pass runs once per pair.
 constexpr int64_t kSinglePassMinHeads = 16;
+// Split-KV decoding: up to this many queries against at least two splits of this many keys
+// split the keys (a multiple of every block_k used); the split count follows the shapes
+// alone, never the thread count, so the result does not either.
+constexpr int64_t kSplitMaxQueries = 16;
+constexpr int64_t kSplitKeys = 512;
 
 int64_t worker_count(ffi::ThreadPool& pool, int64_t max_threads) {
   int64_t available = std::max<int64_t>(1, pool.num_threads());
@@ -109,6 +115,43 @@ void dims4(ffi::Span<const int64_t> d, int64_t* b, int64_t* t, int64_t* h, int64
   *t = d[r - 3];
   *h = d[r - 2];
   *e = d[r - 1];
+}
+
+// The bias's or mask's strides and per-batch-row offsets: `arr` has q's rank, dims
+// [batch..., H|1, Tq|1, Tk|1] (a size-1 axis is broadcast: stride 0).
+ffi::Error broadcast_layout(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> ad,
+                            const Params& p, const char* name, std::vector<int64_t>* offsets,
+                            int64_t* sh, int64_t* si, int64_t* sj,
+                            const int64_t* last = nullptr) {
+  const int64_t r = static_cast<int64_t>(qd.size());
+  const int64_t logits[3] = {p.H, p.Tq, p.Tk};
+  const int64_t* want = last == nullptr ? logits : last;  // the last three axes' full sizes
+  if (static_cast<int64_t>(ad.size()) != r)
+    return ffi::Error::InvalidArgument(std::string("jattn cpu attention: ") + name +
+                                       " must have q's rank");
+  std::vector<int64_t> stride(r);
+  int64_t acc = 1;
+  for (int64_t a = r - 1; a >= 0; --a) {
+    const int64_t full = a >= r - 3 ? want[a - (r - 3)] : qd[a];
+    if (ad[a] != 1 && ad[a] != full)
+      return ffi::Error::InvalidArgument(std::string("jattn cpu attention: ") + name +
+                                         " does not broadcast to the logits");
+    stride[a] = ad[a] == 1 ? 0 : acc;
+    acc *= ad[a];
+  }
+  *sh = stride[r - 3];
+  *si = stride[r - 2];
+  *sj = stride[r - 1];
+  offsets->assign(p.B, 0);
+  for (int64_t b = 0; b < p.B; ++b) {  // b's multi-index over q's batch dims, row-major
+    int64_t rest = b, off = 0;
+    for (int64_t a = r - 4; a >= 0; --a) {
+      off += (rest % qd[a]) * stride[a];
+      rest /= qd[a];
+    }
+    (*offsets)[b] = off;
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
@@ -145,18 +188,77 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   return ffi::Error::Success();
 }
 
+// Points t at the bias and mask (when given) with their layouts (offsets owns the offsets).
+struct Layouts {  // owns the per-batch-row offsets the Tensors point into
+  std::vector<int64_t> bias, mask, blocks;
+};
+
+// Points t at the block mask's tile states (has_blocks: 1, or 2 when the mask array is the
+// block mask's mask_mod alone) of [bm_q, bm_k] tiles.
+ffi::Error block_states(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::S8>& blocks,
+                        int64_t has_blocks, int64_t bm_q, int64_t bm_k, Params* p, Tensors* t,
+                        Layouts* lay) {
+  p->has_blocks = has_blocks != 0;
+  p->mask_is_blocks = has_blocks == 2;
+  if (!p->has_blocks) return ffi::Error::Success();
+  if (bm_q <= 0 || bm_k <= 0 || !p->has_mask)
+    return ffi::Error::InvalidArgument("jattn cpu attention: block states need their mask");
+  p->bm_q = bm_q;
+  p->bm_k = bm_k;
+  p->nbq = (p->Tq + bm_q - 1) / bm_q;
+  p->nbk = (p->Tk + bm_k - 1) / bm_k;
+  const int64_t last[3] = {p->H, p->nbq, p->nbk};
+  int64_t si, sj;
+  ffi::Error err = broadcast_layout(qd, blocks.dimensions(), *p, "block states", &lay->blocks,
+                                    &p->blocks_sh, &si, &sj, last);
+  if (err.failure()) return err;
+  if ((si != p->nbk && p->nbq != 1) || (sj != 1 && p->nbk != 1))
+    return ffi::Error::InvalidArgument("jattn cpu attention: block states of another size");
+  t->blocks = blocks.typed_data();
+  t->blocks_offset = lay->blocks.data();
+  return ffi::Error::Success();
+}
+
+ffi::Error bias_and_mask(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::F32>& bias,
+                         ffi::Buffer<ffi::PRED>& mask, int64_t has_bias, int64_t has_mask,
+                         Params* p, Tensors* t, std::vector<int64_t>* bias_offsets,
+                         std::vector<int64_t>* mask_offsets) {
+  p->has_bias = has_bias != 0;
+  p->has_mask = has_mask != 0;
+  p->bias_sh = p->bias_si = p->bias_sj = p->mask_sh = p->mask_si = p->mask_sj = 0;
+  p->dbias_mode = 0;
+  p->split_k = 0;
+  if (p->has_bias) {
+    ffi::Error err = broadcast_layout(qd, bias.dimensions(), *p, "bias", bias_offsets,
+                                      &p->bias_sh, &p->bias_si, &p->bias_sj);
+    if (err.failure()) return err;
+    t->bias = bias.typed_data();
+    t->bias_offset = bias_offsets->data();
+  }
+  if (p->has_mask) {
+    ffi::Error err = broadcast_layout(qd, mask.dimensions(), *p, "mask", mask_offsets,
+                                      &p->mask_sh, &p->mask_si, &p->mask_sj);
+    if (err.failure()) return err;
+    t->mask = reinterpret_cast<const uint8_t*>(mask.typed_data());
+    t->mask_offset = mask_offsets->data();
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> sinks,
                    ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                    ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
-                   ffi::Buffer<ffi::F32> slopes, float scale, float softcap, int64_t causal,
+                   ffi::Buffer<ffi::F32> slopes, ffi::Buffer<ffi::F32> bias,
+                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S8> blocks, float scale,
+                   float softcap, int64_t causal,
                    int64_t window_left, int64_t window_right, int64_t has_seg,
-                   int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t block_q,
-                   int64_t block_k,
-                   int64_t max_threads, ffi::ResultBuffer<ffi::F32> out,
-                   ffi::ResultBuffer<ffi::F32> lse) {
+                   int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t has_bias,
+                   int64_t has_mask, int64_t has_blocks, int64_t block_mask_q,
+                   int64_t block_mask_k, int64_t block_q, int64_t block_k, int64_t max_threads,
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   Params p;
   ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
                                scale, softcap,
@@ -180,11 +282,35 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   t.slopes = slopes.typed_data();
   t.out = out->typed_data();
   t.lse = lse->typed_data();
+  std::vector<int64_t> bias_offsets, mask_offsets;
+  err = bias_and_mask(q.dimensions(), bias, mask, has_bias, has_mask, &p, &t, &bias_offsets,
+                      &mask_offsets);
+  if (err.failure()) return err;
+  Layouts lay;
+  err = block_states(q.dimensions(), blocks, has_blocks, block_mask_q, block_mask_k, &p, &t,
+                     &lay);
+  if (err.failure()) return err;
   if (p.B * p.H * p.Tq == 0) return ffi::Error::Success();
   const Isa& k_isa = isa();
-  const int64_t nqb = (p.Tq + p.bq - 1) / p.bq;
-  parallel_for(pool, nqb * p.B * p.H, worker_count(pool, max_threads), k_isa.scratch_floats(p),
-               [&](int64_t item, float* scratch) { k_isa.forward_item(p, t, item, scratch); });
+  const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, threads = worker_count(pool, max_threads);
+  const int64_t scratch = k_isa.scratch_floats(p);
+  p.split_k = p.Tq <= kSplitMaxQueries && p.Tk >= 2 * kSplitKeys && kSplitKeys % p.bk == 0
+                  ? kSplitKeys
+                  : 0;
+  if (p.split_k == 0) {
+    parallel_for(pool, nqb * p.B * p.H, threads, scratch,
+                 [&](int64_t item, float* s) { k_isa.forward_item(p, t, item, s); });
+    return ffi::Error::Success();
+  }
+  const int64_t ns = (p.Tk + p.split_k - 1) / p.split_k, rows = p.B * p.H * ns * p.Tq;
+  std::vector<float> part(rows * (2 + p.Dv));
+  t.part_m = part.data();
+  t.part_l = t.part_m + rows;
+  t.part_o = t.part_l + rows;
+  parallel_for(pool, nqb * ns * p.B * p.H, threads, scratch,
+               [&](int64_t item, float* s) { k_isa.split_item(p, t, item, s); });
+  parallel_for(pool, nqb * p.B * p.H, threads, scratch,
+               [&](int64_t item, float* s) { k_isa.merge_item(p, t, item, s); });
   return ffi::Error::Success();
 }
 
@@ -196,12 +322,16 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                     ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                     ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
-                    ffi::Buffer<ffi::F32> slopes, float scale, float softcap, int64_t causal,
+                    ffi::Buffer<ffi::F32> slopes, ffi::Buffer<ffi::F32> bias,
+                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S8> blocks, float scale,
+                    float softcap, int64_t causal,
                     int64_t window_left, int64_t window_right, int64_t has_seg,
-                    int64_t has_dropout, int64_t alibi, int64_t block_q, int64_t block_k,
-                    int64_t max_threads, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
-                    ffi::ResultBuffer<ffi::F32> dslope) {
+                    int64_t has_dropout, int64_t alibi, int64_t has_bias, int64_t has_mask,
+                    int64_t has_blocks, int64_t block_mask_q, int64_t block_mask_k,
+                    int64_t dbias_mode, int64_t block_q, int64_t block_k, int64_t max_threads,
+                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dslope,
+                    ffi::ResultBuffer<ffi::F32> dbias) {
   Params p;
   ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
                                scale, softcap,
@@ -230,6 +360,16 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   t.dk = dk->typed_data();
   t.dv = dv->typed_data();
   t.dslope = dslope->typed_data();
+  std::vector<int64_t> bias_offsets, mask_offsets;
+  err = bias_and_mask(q.dimensions(), bias, mask, has_bias, has_mask, &p, &t, &bias_offsets,
+                      &mask_offsets);
+  if (err.failure()) return err;
+  Layouts lay;
+  err = block_states(q.dimensions(), blocks, has_blocks, block_mask_q, block_mask_k, &p, &t,
+                     &lay);
+  if (err.failure()) return err;
+  p.dbias_mode = p.has_bias ? dbias_mode : 0;
+  t.dbias = dbias->typed_data();
   const Isa& k_isa = isa();
   const int64_t threads = worker_count(pool, max_threads), scratch = k_isa.scratch_floats(p);
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, nkb = (p.Tk + p.bk - 1) / p.bk;
@@ -274,6 +414,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // drop_threshold
                                   .Arg<ffi::Buffer<ffi::F32>>()  // drop_scale
                                   .Arg<ffi::Buffer<ffi::F32>>()  // slopes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // blocks
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -283,6 +426,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Attr<int64_t>("has_sinks")
                                   .Attr<int64_t>("has_dropout")
                                   .Attr<int64_t>("alibi")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_blocks")
+                                  .Attr<int64_t>("block_mask_q")
+                                  .Attr<int64_t>("block_mask_k")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
                                   .Attr<int64_t>("max_threads")
@@ -309,6 +457,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // drop_threshold
                                   .Arg<ffi::Buffer<ffi::F32>>()  // drop_scale
                                   .Arg<ffi::Buffer<ffi::F32>>()  // slopes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // blocks
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -317,13 +468,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Attr<int64_t>("has_segments")
                                   .Attr<int64_t>("has_dropout")
                                   .Attr<int64_t>("alibi")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_blocks")
+                                  .Attr<int64_t>("block_mask_q")
+                                  .Attr<int64_t>("block_mask_k")
+                                  .Attr<int64_t>("dbias_mode")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
                                   .Attr<int64_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dk
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dv
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dslope
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dslope
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dbias
 
 extern "C" {
 __attribute__((visibility("default"))) const char* jattn_cpu_isa() {
