@@ -25,7 +25,10 @@ then judge by that platform too when only one is routed for (:func:`_adapter_pla
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import numbers
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 
 from jattn import _checks, _util, blockwise, dense, kernels, mods
 from jattn._call import DenseExtras, Operands, Settings
+from jattn.kernels import _deferred
 
 Array = jax.Array
 
@@ -551,11 +555,166 @@ def _auto_on(platform: str, *call) -> str:
     raise AssertionError("'dense' honours every call")  # unreachable: dense is last
 
 
+# ----------------------------------------------------------------------------------------
+# The default: the host's route traced now, every other platform's deferred
+# ----------------------------------------------------------------------------------------
+
+# What the branch of a platform without a rule of its own runs (jax plugins): jattn's XLA
+# paths, the first that pays off and can.
+AUTO_ELSEWHERE = ("blockwise", "dense")
+
+# True while _defer_host() is active (tests): the host's branch is deferred too.
+_DEFER_HOST = [False]
+
+
+@contextlib.contextmanager
+def _defer_host():
+    """Defers the host's branch too (tests check the deferred machinery on the host)."""
+    _DEFER_HOST.append(True)
+    try:
+        yield
+    finally:
+        _DEFER_HOST.pop()
+
+
+def _deferrable(call) -> bool:
+    """Whether the automatic rule may defer the other platforms' routes: the call is traced
+    (eager calls run where they are) and some kernel may take it (forward-mode or nested
+    autodiff, returned weights and flax's hooks make every platform's route dense)."""
+    query, key, value, _, _, extras = call
+    if not any(isinstance(x, jax.core.Tracer) for x in (query, key, value)):
+        return False
+    return extras.needed() is None and _custom_vjp_obstacle(query, key, value) is None
+
+
+def _closure(fn):
+    """The contents of a plain function's closure cells when some hold a tracer (they
+    become operands of the deferred branch), else None."""
+    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return None
+    try:
+        values = tuple(cell.cell_contents for cell in fn.__closure__)
+    except ValueError:  # a cell not yet filled
+        return None
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values))
+    return values if traced else None
+
+
+def _with_closure(fn, values):
+    """``fn`` with its closure cells holding ``values``."""
+    cells = tuple(types.CellType(v) for v in values)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+def _split_call(call):
+    """``(operands, rebuild)``: the call's arrays, each once (tracers included: the query,
+    the operands, the modifiers' arrays and closed-over tracers), and ``rebuild(arrays)``,
+    the call again with ``arrays`` in their places (identical arrays stay identical)."""
+    query, key, value, ops, settings, extras = call
+    cells = (_closure(settings.score_mod), _closure(settings.mask_mod))
+    leaves, tree = jax.tree.flatten(
+        (query, key, value, ops, settings.score_mod, settings.mask_mod, cells)
+    )
+    operands, index, slots = [], {}, []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            if id(leaf) not in index:
+                index[id(leaf)] = len(operands)
+                operands.append(leaf)
+            slots.append((True, index[id(leaf)]))
+        else:
+            slots.append((False, leaf))
+
+    def rebuild(arrays):
+        new = [arrays[x] if is_operand else x for is_operand, x in slots]
+        q, k, v, new_ops, score_mod, mask_mod, new_cells = jax.tree.unflatten(tree, new)
+        if new_cells[0] is not None:
+            score_mod = _with_closure(score_mod, new_cells[0])
+        if new_cells[1] is not None:
+            mask_mod = _with_closure(mask_mod, new_cells[1])
+        new_settings = dataclasses.replace(settings, score_mod=score_mod, mask_mod=mask_mod)
+        return q, k, v, new_ops, new_settings, extras
+
+    return operands, rebuild
+
+
+def _auto_elsewhere(*call) -> str:
+    for name in AUTO_ELSEWHERE:
+        pays = PAYS.get(name)
+        if (pays is None or pays(call[0], call[1], "other")) and ROUTES[name].obstacle(
+            *call
+        ) is None:
+            return name
+    raise AssertionError("'dense' honours every call")  # unreachable: dense is last
+
+
+def _route_outputs(out, residual) -> list:
+    return [out] if residual is None else [out, residual]
+
+
+def _lowered_route(rebuild):
+    """``build(platform)`` of a deferred branch: the automatic rule's route for the
+    platform, chosen and traced when the branch is lowered (the old adapters judging by
+    that platform: :func:`jattn.kernels.lowering_platforms`)."""
+
+    def build(platform):
+        def route(*arrays):
+            call = rebuild(arrays)
+            if platform is None:
+                out, _, residual = ROUTES[_auto_elsewhere(*call)].run(*call)
+                return _route_outputs(out, residual)
+            with kernels.lowering_platforms(platform):
+                out, _, residual = _route_runner(_auto_on(platform, *call), platform)(*call)
+            return _route_outputs(out, residual)
+
+        return route
+
+    return build
+
+
+def _deferred_branch(platform, ops, settings, extras, avals: list):
+    def branch(q, k, v):
+        operands, rebuild = _split_call((q, k, v, ops, settings, extras))
+        outs = _deferred.attend(_lowered_route(rebuild), platform, operands, avals)
+        return outs[0], None, (outs[1] if len(outs) > 1 else None)
+
+    return branch
+
+
+def _run_deferred(name: str, call):
+    """The host's route ``name`` traced now in the host's branch, every other platform's
+    a deferred branch (:mod:`jattn.kernels._deferred`), one ``platform_dependent``."""
+    query, key, value, ops, settings, extras = call
+    host = host_platform()
+    avals: list = []  # the host's output avals: filled by its branch, traced first
+
+    def host_branch(q, k, v):
+        out, weights, residual = ROUTES[name].run(q, k, v, ops, settings, extras)
+        avals[:] = [jax.typeof(x) for x in _route_outputs(out, residual)]
+        return out, weights, residual
+
+    if _DEFER_HOST[-1]:
+        shapes = jax.eval_shape(lambda q, k, v: host_branch(q, k, v)[::2], query, key, value)
+        avals[:] = [jax.core.ShapedArray(s.shape, s.dtype) for s in shapes if s is not None]
+        host_branch = _deferred_branch(host, ops, settings, extras, avals)
+    branches = {host: host_branch}
+    for platform in _deferred.PLATFORMS:
+        if platform != host:
+            branches[platform] = _deferred_branch(platform, ops, settings, extras, avals)
+    default = _deferred_branch(None, ops, settings, extras, avals)
+    return jax.lax.platform_dependent(query, key, value, default=default, **branches)
+
+
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):
     """Runs the call on the chosen implementation: ``(out, weights, residual)``.
 
-    Under :func:`jattn.kernels.lowering_platforms`, the automatic rule picks a route per
-    platform and the program carries each (chosen when it is lowered).
+    The automatic rule (``implementation=None``) of a traced call routes for every
+    platform: the host's route is traced now, every other platform's is chosen and traced
+    only if the program is lowered for it (:func:`_run_deferred`). Under
+    :func:`jattn.kernels.lowering_platforms` it picks a route for each platform named
+    there, traced now (none named: the host's route only).
     """
     call = (query, key, value, ops, settings, extras)
     platforms = kernels.route_platforms()
@@ -566,4 +725,6 @@ def run(implementation, query, key, value, ops: Operands, settings: Settings, ex
             choices[p] = (name, _pallas_variant(p) if name == "pallas" else None)
         return _per_platform(choices, call)
     name = choose(implementation, *call)
+    if implementation is None and platforms is None and _deferrable(call):
+        return _run_deferred(name, call)
     return ROUTES[name].run(*call)

@@ -10,6 +10,8 @@ forward, dK/dV, dQ) and no XLA tile loop (``stablehlo.while``) or attention prod
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,25 +66,40 @@ def _loss(options, implementation):
     return loss
 
 
-def _lowered(fn, *args, platforms=("cuda",)) -> str:
+def _lowered(fn, *args, platforms=("cuda",), routed: bool = True) -> str:
+    """The module of ``fn`` lowered for ``platforms``: under lowering_platforms
+    (``routed``), or as a new user would lower it (the automatic rule defers the other
+    platforms' routes to lowering time)."""
+    if not routed:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
     with kernels.lowering_platforms(*platforms):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("implementation", ["pallas", None])
+@pytest.mark.parametrize(
+    "implementation, routed", [("pallas", True), (None, True), (None, False)],
+    ids=["pallas", "auto-routed", "auto"],
+)  # fmt: skip
 @pytest.mark.parametrize("option", OPTIONS)
-def test_lowering_carries_the_kernel(option, implementation, platform):
+def test_lowering_carries_the_kernel(option, implementation, routed, platform):
+    """Forward and gradient carry the kernel: named, or picked by the automatic rule under
+    lowering_platforms (routed) and by default (no context manager: deferred)."""
     loss = _loss(OPTIONS[option], implementation)
     args = _inputs()
-    forward = _lowered(loss, *args, platforms=(platform,))
-    backward = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args, platforms=(platform,))
+    lower = functools.partial(_lowered, platforms=(platform,), routed=routed)
+    forward = lower(loss, *args)
+    backward = lower(jax.grad(loss, argnums=(0, 1, 2)), *args)
     splash = implementation is None and platform == "tpu" and "splash_m" in forward
     if splash:  # lowered for a TPU alone, the automatic rule takes splash where it suffices
         assert backward.count(CUSTOM_CALL[platform]) >= 2
-    else:
+    elif routed:
         assert forward.count(CUSTOM_CALL[platform]) == 1
         assert backward.count(CUSTOM_CALL[platform]) == 3
+    else:  # deferred: the gradient recomputes the forward kernel (3), and the forward's
+        # own call stays where the program needs its outputs (the lse here)
+        assert forward.count(CUSTOM_CALL[platform]) == 1
+        assert backward.count(CUSTOM_CALL[platform]) == (4 if option == "return_residual" else 3)
     for text in (forward, backward):
         if not splash:  # (splash's own backward computes its row sums with XLA)
             assert "stablehlo.dot_general" not in text

@@ -1,0 +1,215 @@
+"""Attention deferred to lowering time: a route that is traced only when a program is
+lowered for its platform.
+
+The routing carries one ``jax.lax.platform_dependent`` branch per platform. The host's
+branch is traced as usual; every other platform's branch is :func:`attend`, one primitive
+(``jattn_deferred_attention``) whose abstract evaluation gives the host branch's output
+avals (every route returns the same) and whose lowering rule traces that platform's
+route (``build(platform)``) when, and only when, the branch is lowered for it. A
+program lowered for the host alone (``jax.jit`` as usual) never traces the other routes:
+``platform_dependent`` prunes their branches, so the deferred branches cost one equation
+each on the host.
+
+Transformations:
+
+* reverse-mode autodiff: :func:`attend` is a ``jax.custom_vjp`` whose backward pass is a
+  second deferred primitive (``jattn_deferred_attention_grad``) computing, when lowered,
+  ``jax.vjp`` of the platform's route from the residuals (the operands): the route's
+  forward pass is recomputed inside it (correct; its output is not reused). Integer,
+  boolean and key operands get no cotangent.
+* ``jax.vmap``: both primitives batch by deferring ``jax.vmap`` of the function they
+  lower (:class:`_Vmapped`); the abstract output gains the batch axis in front.
+* ``jax.checkpoint``, ``shard_map``: plain primitives, nothing to do.
+
+This module knows nothing of routing: ``build`` is the routing's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax.interpreters import batching, mlir
+
+__all__ = ["PLATFORMS", "attend"]
+
+# The platforms with a lowering rule of their own; any other platform gets the branch
+# lowered with platform=None (see _lower).
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+class Builder:
+    """``build(platform) -> fn(*operands) -> list of arrays``, hashed by identity (a
+    primitive's parameters must be hashable; two calls never share one)."""
+
+    def __init__(self, build: Callable[[str | None], Callable]):
+        self._build = build
+
+    def build(self, platform: str | None) -> Callable:
+        return self._build(platform)
+
+
+class _Vmapped(Builder):
+    """``inner`` under ``jax.vmap(in_axes=in_axes, out_axes=0, axis_size=size)``."""
+
+    def __init__(self, inner: Builder, in_axes: tuple, size: int, axis_name):
+        self._inner, self._in_axes, self._size, self._axis_name = inner, in_axes, size, axis_name
+
+    def build(self, platform):
+        fn = self._inner.build(platform)
+        return jax.vmap(
+            lambda *xs: list(fn(*xs)), in_axes=self._in_axes, out_axes=0,
+            axis_size=self._size, axis_name=self._axis_name,
+        )  # fmt: skip
+
+
+class _Gradient(Builder):
+    """The VJP of ``inner``'s function: ``(*operands, *cotangents) -> cotangents`` of the
+    operands marked ``differentiable`` (the route's forward pass recomputed)."""
+
+    def __init__(self, inner: Builder, differentiable: tuple[bool, ...]):
+        self._inner, self._diff = inner, differentiable
+
+    def build(self, platform):
+        fn = self._inner.build(platform)
+        n = len(self._diff)
+
+        def gradient(*args):
+            operands, cotangents = list(args[:n]), list(args[n:])
+            floats = [x for x, d in zip(operands, self._diff, strict=True) if d]
+
+            def of_floats(*xs):
+                it = iter(xs)
+                full = [next(it) if d else x for x, d in zip(operands, self._diff, strict=True)]
+                return list(fn(*full))
+
+            _, vjp = jax.vjp(of_floats, *floats)
+            return list(vjp(cotangents))
+
+        return gradient
+
+
+# ----------------------------------------------------------------------------------------
+# The primitives
+# ----------------------------------------------------------------------------------------
+
+_forward_p = jax.extend.core.Primitive("jattn_deferred_attention")
+_forward_p.multiple_results = True
+_backward_p = jax.extend.core.Primitive("jattn_deferred_attention_grad")
+_backward_p.multiple_results = True
+
+
+@_forward_p.def_abstract_eval
+def _forward_aval(*avals, builder, platform, out_avals):
+    return list(out_avals)
+
+
+@_backward_p.def_abstract_eval
+def _backward_aval(*avals, builder, platform, out_avals):
+    return list(out_avals)
+
+
+def _bind_jitted(prim, *args, **params):
+    # Outside jit a branch of platform_dependent runs only on the host, which holds no
+    # deferred branch; a direct call (tests) compiles the primitive for the host.
+    return jax.jit(lambda *xs: prim.bind(*xs, **params))(*args)
+
+
+for _prim in (_forward_p, _backward_p):
+    _prim.def_impl(functools.partial(_bind_jitted, _prim))
+
+
+def _batch(prim, axis_data, args, dims, *, builder, platform, out_avals):
+    size = axis_data.size
+    args = [
+        x if d is batching.not_mapped or d == 0 else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    in_axes = tuple(None if d is batching.not_mapped else 0 for d in dims)
+    vmapped = _Vmapped(builder, in_axes, size, axis_data.name)
+    avals = tuple(jax.extend.core.unmapped_aval(size, 0, a) for a in out_avals)
+    outs = prim.bind(*args, builder=vmapped, platform=platform, out_avals=avals)
+    return outs, [0] * len(outs)
+
+
+for _prim in (_forward_p, _backward_p):
+    batching.fancy_primitive_batchers[_prim] = functools.partial(_batch, _prim)
+
+
+def _lower(ctx, *args, builder, platform, out_avals, rule_platform):
+    """The route of ``platform`` where the branch is lowered for it; elsewhere (a program
+    lowered for several platforms lowers every branch for each) zeros, never executed."""
+    if rule_platform == platform:
+        fn = builder.build(platform)
+    else:
+
+        def fn(*_):
+            return [jnp.zeros(a.shape, a.dtype) for a in ctx.avals_out]
+
+    return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+
+
+for _prim in (_forward_p, _backward_p):
+    for _p in PLATFORMS:
+        mlir.register_lowering(_prim, functools.partial(_lower, rule_platform=_p), platform=_p)
+    mlir.register_lowering(_prim, functools.partial(_lower, rule_platform=None))
+
+
+# ----------------------------------------------------------------------------------------
+# The differentiable call
+# ----------------------------------------------------------------------------------------
+
+
+def _differentiable(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(builder: Builder, platform, out_avals, *operands):
+    return _forward_p.bind(*operands, builder=builder, platform=platform, out_avals=out_avals)
+
+
+def _attend_fwd(builder, platform, out_avals, *operands):
+    outs = _forward_p.bind(*operands, builder=builder, platform=platform, out_avals=out_avals)
+    return outs, operands
+
+
+def _attend_bwd(builder, platform, out_avals, operands, cotangents):
+    diff = tuple(_differentiable(x) for x in operands)
+    grad_avals = tuple(jax.typeof(x) for x, d in zip(operands, diff, strict=True) if d)
+    grads = iter(
+        _backward_p.bind(
+            *operands,
+            *cotangents,
+            builder=_Gradient(builder, diff),
+            platform=platform,
+            out_avals=grad_avals,
+        )  # fmt: skip
+    )
+    return tuple(next(grads) if d else None for d in diff)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attend(
+    build: Callable[[str | None], Callable], platform: str | None, operands: Sequence,
+    out_avals: Sequence,
+) -> list:  # fmt: skip
+    """The outputs of ``build(platform)(*operands)``, traced when lowered for ``platform``.
+
+    Args:
+      build: ``build(platform) -> fn``; ``fn(*operands)`` returns a list of arrays with
+        ``out_avals`` (the route of ``platform``, chosen and traced at lowering time).
+      platform: the lowering platform this branch serves (one of :data:`PLATFORMS`), or
+        None for the branch of any other platform.
+      operands: the arrays the route reads (tracers included; no Python scalars).
+      out_avals: the outputs' abstract values (``jax.typeof`` of the host's outputs).
+
+    Returns:
+      The list of outputs, differentiable (reverse mode) in the inexact operands.
+    """
+    return list(_attend(Builder(build), platform, tuple(out_avals), *operands))
