@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import kernels, mods
+from jattn import _routing, kernels, mods
 
 TRITON = "__gpu$xla.gpu.triton"
 CUSTOM_CALL = {"cuda": TRITON, "tpu": "tpu_custom_call"}
@@ -180,3 +180,167 @@ def test_a_gathering_modifier_keeps_the_xla_route_on_gpu():
     gather = dict(score_mod=lambda s, b, h, q, k: s + jnp.arange(H, dtype=s.dtype)[h])
     text = _lowered(_loss(gather, None), q, k, v)
     assert TRITON not in text
+
+
+# ----------------------------------------------------------------------------------------
+# The default: every platform's route, the others' deferred to lowering time
+# ----------------------------------------------------------------------------------------
+
+
+def _export(fn, *args, platforms):
+    # Triton's and Mosaic's custom calls and jattn's fused CPU kernel (an FFI target the
+    # running process registers) carry no serialization guarantee of jax's.
+    targets = (TRITON, "tpu_custom_call", "jattn_cpu_attention_forward")
+    checks = [
+        jax.export.DisabledSafetyCheck.custom_call(t)
+        for t in (*targets, "jattn_cpu_attention_backward")
+    ]
+    return jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)(*args)
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_a_default_export_carries_each_platforms_kernel_and_runs_on_cpu(gradient):
+    """No context manager: one program exported for three platforms holds the Triton and
+    the Mosaic kernels and, run on this CPU host, agrees with the dense path."""
+    q, k, v = _inputs(jnp.float32)
+    options = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(1))
+    fn, expected = _loss(options, None), _loss(options, "dense")
+    if gradient:
+        fn, expected = (jax.grad(f, argnums=(0, 1, 2)) for f in (fn, expected))
+    exported = _export(fn, q, k, v, platforms=["cpu", "cuda", "tpu"])
+    text = exported.mlir_module()
+    assert text.count(TRITON) == (3 if gradient else 1)
+    assert text.count("tpu_custom_call") == (3 if gradient else 1)
+    got, want = exported.call(q, k, v), expected(q, k, v)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, e, atol=2e-5, rtol=2e-5)
+
+
+def _small(t=64, h=2, kvh=2, d=16, batch=(2,)):
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((*batch, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((*batch, t, kvh, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((*batch, t, kvh, d)), jnp.float32)
+    return q, k, v
+
+
+def _weighted(out):
+    """A loss whose cotangent differs per element (a plain sum hides transposed grads)."""
+    out = out[0] if isinstance(out, tuple) else out
+    return jnp.sum(out * jnp.sin(jnp.arange(out.size, dtype=out.dtype).reshape(out.shape)))
+
+
+def _deferred_vs_direct(fn, *args, argnums=(0, 1, 2)):
+    """``fn``'s value and gradients with the host's branch deferred (lowered through
+    jattn_deferred_attention) and as routed today: they must agree."""
+    grad = jax.value_and_grad(fn, argnums=argnums)
+    with _routing._defer_host():
+        jaxpr = str(jax.make_jaxpr(grad)(*args))
+        got = jax.jit(grad)(*args)
+    assert "jattn_deferred_attention_grad" in jaxpr
+    want = jax.jit(grad)(*args)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
+    return got
+
+
+SLOPES = mods.alibi_slopes(2)
+DEFERRED_OPTIONS = {
+    "causal": dict(is_causal=True),
+    "segments": dict(query_segment_ids=jnp.asarray(np.repeat([[0, 1]] * 2, 32, axis=1))),
+    "lengths": dict(is_causal=True, key_value_seq_lengths=jnp.array([40, 64])),
+    "dropout": dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)),
+    "residual": dict(is_causal=True, return_residual=True),
+    "sinks": dict(sinks=jnp.array([0.5, -1.0])),
+}
+
+
+@pytest.mark.parametrize("option", DEFERRED_OPTIONS)
+def test_the_deferred_branch_computes_the_route(option):
+    q, k, v = _small()
+
+    def loss(q, k, v):
+        out = jattn.dot_product_attention(q, k, v, **DEFERRED_OPTIONS[option])
+        residual = jnp.sum(jnp.cos(out[1])) if isinstance(out, tuple) else 0.0
+        return _weighted(out) + residual
+
+    _deferred_vs_direct(loss, q, k, v)
+
+
+def test_the_deferred_branch_differentiates_a_bias_and_the_modifiers_arrays():
+    """A bias, ALiBi's slopes (a ready-made modifier's leaves) and an array a lambda
+    closes over (a tracer of the caller's) are operands with gradients."""
+    q, k, v = _small(t=128)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, 2, 1, 128)), jnp.float32)
+
+    def loss(q, bias, slopes, table):
+        def score_mod(s, b, h, qi, ki):
+            return s + table[h] * jnp.where(qi >= ki, 1.0, 0.5)
+
+        out = jattn.dot_product_attention(q, k, v, bias=bias, score_mod=score_mod)
+        out2 = jattn.dot_product_attention(q, k, v, is_causal=True, score_mod=mods.alibi(slopes))
+        return _weighted(out) + _weighted(out2)
+
+    got = _deferred_vs_direct(loss, q, bias, SLOPES, jnp.array([0.3, -0.2]), argnums=(0, 1, 2, 3))
+    assert all(np.abs(np.asarray(g)).sum() > 0 for g in jax.tree.leaves(got[1]))
+
+
+def test_the_deferred_branch_under_vmap_and_grad_of_vmap():
+    q, k, v = _small(batch=(3, 2))
+
+    def attend(q, k, v):
+        return jattn.dot_product_attention(q, k, v, is_causal=True, bias=jnp.ones((1, 64)))
+
+    def loss(q, k, v):
+        return _weighted(jax.vmap(attend)(q, k, v))
+
+    _deferred_vs_direct(loss, q, k, v)
+    single = jax.vmap(lambda q: jax.grad(lambda q: _weighted(attend(q, k[0], v[0])))(q))
+    with _routing._defer_host():
+        got = jax.jit(single)(q)
+    np.testing.assert_allclose(got, jax.jit(single)(q), atol=1e-5, rtol=1e-5)
+
+
+def test_the_deferred_branch_under_checkpoint():
+    q, k, v = _small()
+    loss = jax.checkpoint(lambda q, k, v: _weighted(jattn.dot_product_attention(q, k, v)))
+    _deferred_vs_direct(loss, q, k, v)
+
+
+def _counted_mask_mod():
+    traced = []
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        traced.append(1)
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+    return mask_mod, traced
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_default_call_traces_nothing_more_on_the_host(grad, monkeypatch):
+    """The deferred branches trace no kernel and no mask_mod on the host: a default jitted
+    call traces the mask_mod and pallas_call as often as with the host's route alone."""
+    from jax.experimental import pallas as pl
+
+    calls = []
+    pallas_call = pl.pallas_call
+    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: calls.append(1) or pallas_call(*a, **k))
+
+    def traces(host_only: bool) -> tuple[int, int]:
+        mask_mod, traced = _counted_mask_mod()
+        calls.clear()
+
+        def f(q):
+            return _weighted(jattn.dot_product_attention(q, q, q, mask_mod=mask_mod))
+
+        q = jnp.ones((1, 300, 2, 8), jnp.float32)
+        fn = jax.jit(jax.grad(f) if grad else f)
+        if host_only:
+            with kernels.lowering_platforms():
+                jax.block_until_ready(fn(q))
+        else:
+            jax.block_until_ready(fn(q))
+        return len(traced), len(calls)
+
+    assert traces(host_only=False) == traces(host_only=True)

@@ -125,10 +125,10 @@ for _prim in (_forward_p, _backward_p):
 def _batch(prim, axis_data, args, dims, *, builder, platform, out_avals):
     size = axis_data.size
     args = [
-        x if d is batching.not_mapped or d == 0 else jnp.moveaxis(x, d, 0)
+        x if d is None or d == 0 else jnp.moveaxis(x, d, 0)
         for x, d in zip(args, dims, strict=True)
     ]
-    in_axes = tuple(None if d is batching.not_mapped else 0 for d in dims)
+    in_axes = tuple(None if d is None else 0 for d in dims)
     vmapped = _Vmapped(builder, in_axes, size, axis_data.name)
     avals = tuple(jax.extend.core.unmapped_aval(size, 0, a) for a in out_avals)
     outs = prim.bind(*args, builder=vmapped, platform=platform, out_avals=avals)
@@ -187,7 +187,7 @@ def _attend_bwd(builder, platform, out_avals, operands, cotangents):
             builder=_Gradient(builder, diff),
             platform=platform,
             out_avals=grad_avals,
-        )  # fmt: skip
+        )
     )
     return tuple(next(grads) if d else None for d in diff)
 
