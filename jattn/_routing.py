@@ -16,11 +16,19 @@ when asked for by name with ``JATTN_PALLAS_INTERPRET=1``; the automatic rule nev
 interpret mode (no CPU candidate is a kernel).
 
 jattn's own Pallas kernel (``'pallas'``) goes through the kernel contract
-(:func:`kernel_query` builds its :class:`jattn.kernels.KernelQuery` per platform). Under
-:func:`jattn.kernels.lowering_platforms` the automatic rule picks a route for each
-platform and ``jax.lax.platform_dependent`` carries them all, so a program lowered or
-exported for GPUs or TPUs from a CPU host holds each platform's kernel; the old adapters
-then judge by that platform too when only one is routed for (:func:`_adapter_platform`).
+(:func:`kernel_query` builds its :class:`jattn.kernels.KernelQuery` per platform).
+
+Routes are chosen per platform at lowering time. The automatic rule of a traced call
+(:func:`run`) emits one ``jax.lax.platform_dependent`` branch per platform: the host's
+route, traced now (:func:`choose`, as on the host alone), and for every other platform a
+deferred branch (:mod:`jattn.kernels._deferred`) whose route is chosen
+(:func:`_auto_on`) and traced only when the program is lowered for that platform, so
+``jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`` or ``jax.export(...,
+platforms=['cpu', 'cuda', 'tpu'])`` from a CPU host carries each platform's kernel at no
+tracing cost on the host. Under :func:`jattn.kernels.lowering_platforms` the platforms
+named get their routes traced at once (none named: the host's route only, no deferred
+branch); the old adapters then judge by that platform too when only one is routed for
+(:func:`_adapter_platform`), as they do inside a deferred branch's lowering.
 """
 
 from __future__ import annotations
