@@ -125,8 +125,7 @@ for _prim in (_forward_p, _backward_p):
 def _batch(prim, axis_data, args, dims, *, builder, platform, out_avals):
     size = axis_data.size
     args = [
-        x if d is None or d == 0 else jnp.moveaxis(x, d, 0)
-        for x, d in zip(args, dims, strict=True)
+        x if d is None or d == 0 else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True)
     ]
     in_axes = tuple(None if d is None else 0 for d in dims)
     vmapped = _Vmapped(builder, in_axes, size, axis_data.name)
