@@ -662,31 +662,75 @@ def _route_outputs(out, residual) -> list:
     return [out] if residual is None else [out, residual]
 
 
-def _lowered_route(rebuild):
-    """``build(platform)`` of a deferred branch: the automatic rule's route for the
-    platform, chosen and traced when the branch is lowered (the old adapters judging by
-    that platform: :func:`jattn.kernels.lowering_platforms`)."""
+def _lse_aval(out_aval):
+    """The deferred branch's extra output: jattn's Pallas kernel's lse ``[batch..., Tq,
+    H, 1]`` float32 (the rank of ``out``, so it keeps out's sharding), for its backward
+    pass; zeros on the other routes."""
+    return out_aval.update(shape=(*out_aval.shape[:-1], 1), dtype=jnp.float32, weak_type=False)
 
-    def build(platform):
-        def route(*arrays):
-            call = rebuild(arrays)
-            if platform is None:
-                out, _, residual = ROUTES[_auto_elsewhere(*call)].run(*call)
-                return _route_outputs(out, residual)
-            with kernels.lowering_platforms(platform):
-                out, _, residual = _route_runner(_auto_on(platform, *call), platform)(*call)
-            return _route_outputs(out, residual)
 
-        return route
+def _pallas_outputs(out, lse, settings) -> list:
+    """A deferred branch's outputs from the Pallas kernel's ``(out, lse [batch..., H,
+    Tq])``: out, the residual if asked for, the lse for the backward pass."""
+    lse = jnp.swapaxes(lse, -1, -2)  # [batch..., Tq, H]
+    return [*_route_outputs(out, lse if settings.return_residual else None), lse[..., None]]
 
-    return build
+
+def _deferred_route(platform, call) -> list:
+    """The automatic rule's route for ``platform``, chosen and traced now (lowering time),
+    the old adapters judging by that platform (:func:`jattn.kernels.lowering_platforms`):
+    the deferred branch's outputs."""
+    if platform is None:
+        out, _, residual = ROUTES[_auto_elsewhere(*call)].run(*call)
+    else:
+        with kernels.lowering_platforms(platform):
+            name = _auto_on(platform, *call)
+            if name == "pallas":
+                module = kernels.adapter("pallas")
+                out, lse = module.attention(
+                    *call[:5], interpret=_pallas_interpret(platform), platform=platform
+                )
+                return _pallas_outputs(out, lse, call[4])
+            out, _, residual = _route_runner(name, platform)(*call)
+    query = call[0]
+    return [*_route_outputs(out, residual), jnp.zeros((*query.shape[:-1], 1), jnp.float32)]
+
+
+def _pallas_chosen(platform, call) -> bool:
+    if platform is None:
+        return False
+    with kernels.lowering_platforms(platform):
+        return _auto_on(platform, *call) == "pallas"
+
+
+def _pallas_given(platform, call, outs) -> list:
+    """The deferred branch's outputs ``outs`` as the Pallas route's with its forward pass
+    given: differentiating them runs its backward kernels alone (no recomputed forward)."""
+    out, lse = outs[0], jnp.swapaxes(outs[-1][..., 0], -1, -2)  # [batch..., H, Tq]
+    with kernels.lowering_platforms(platform):
+        out, lse = kernels.adapter("pallas").attention_given(
+            *call[:5], out=out, lse=lse, interpret=_pallas_interpret(platform), platform=platform
+        )
+    return _pallas_outputs(out, lse, call[4])
 
 
 def _deferred_branch(platform, ops, settings, extras, avals: list):
     def branch(q, k, v):
         operands, rebuild = _split_call((q, k, v, ops, settings, extras))
-        outs = _deferred.attend(_lowered_route(rebuild), platform, operands, avals)
-        return outs[0], None, (outs[1] if len(outs) > 1 else None)
+
+        def build(platform):
+            return lambda *arrays: _deferred_route(platform, rebuild(arrays))
+
+        def given(platform):
+            def with_outs(arrays, outs):
+                if not _pallas_chosen(platform, rebuild(arrays)):
+                    return None  # the gradient recomputes the route's forward pass
+                return lambda *arrays: _pallas_given(platform, rebuild(arrays), outs)
+
+            return with_outs
+
+        outs = _deferred.attend(build, platform, operands, [*avals, _lse_aval(avals[0])], given)
+        return outs[0], None, (outs[1] if len(outs) > 2 else None)
 
     return branch
 

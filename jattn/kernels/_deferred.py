@@ -12,11 +12,13 @@ each on the host.
 
 Transformations:
 
-* reverse-mode autodiff: :func:`attend` is a ``jax.custom_vjp`` whose backward pass is a
-  second deferred primitive (``jattn_deferred_attention_grad``) computing, when lowered,
-  ``jax.vjp`` of the platform's route from the residuals (the operands): the route's
-  forward pass is recomputed inside it (correct; its output is not reused). Integer,
-  boolean and key operands get no cotangent.
+* reverse-mode autodiff: :func:`attend` is a ``jax.custom_vjp`` (residuals: the operands
+  and the outputs) whose backward pass is a second deferred primitive
+  (``jattn_deferred_attention_grad``) computing, when lowered, the VJP of the platform's
+  route: from the forward's outputs where the route offers that (``given``: jattn's
+  Pallas kernel runs its backward kernels alone), else ``jax.vjp`` of the route, its
+  forward pass recomputed (correct, one forward more). Integer, boolean and key
+  operands get no cotangent.
 * ``jax.vmap``: both primitives batch by deferring ``jax.vmap`` of the function they
   lower (:class:`_Vmapped`); the abstract output gains the batch axis in front.
 * ``jax.checkpoint``, ``shard_map``: plain primitives, nothing to do.
@@ -42,14 +44,20 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 class Builder:
-    """``build(platform) -> fn(*operands) -> list of arrays``, hashed by identity (a
-    primitive's parameters must be hashable; two calls never share one)."""
+    """``build(platform) -> fn(*operands) -> list of arrays`` and, optionally,
+    ``given(platform) -> ((operands, outs) -> None | fn)``: the same function with its
+    forward pass given (its outputs ``outs``), whose VJP then needs no recomputed forward
+    (None: the route has none). Hashed by
+    identity (a primitive's parameters must be hashable; two calls never share one)."""
 
-    def __init__(self, build: Callable[[str | None], Callable]):
-        self._build = build
+    def __init__(self, build: Callable, given: Callable | None = None):
+        self._build, self._given = build, given
 
     def build(self, platform: str | None) -> Callable:
         return self._build(platform)
+
+    def given(self, platform: str | None) -> Callable | None:
+        return None if self._given is None else self._given(platform)
 
 
 class _Vmapped(Builder):
@@ -67,24 +75,28 @@ class _Vmapped(Builder):
 
 
 class _Gradient(Builder):
-    """The VJP of ``inner``'s function: ``(*operands, *cotangents) -> cotangents`` of the
-    operands marked ``differentiable`` (the route's forward pass recomputed)."""
+    """The VJP of ``inner``'s function: ``(*operands, *outs, *cotangents) -> cotangents``
+    of the operands marked ``differentiable``. Through ``inner.given`` where the route
+    offers it (its backward pass from the forward's outputs), else ``jax.vjp`` of the
+    route itself: its forward pass recomputed (correct; ``outs`` unused)."""
 
-    def __init__(self, inner: Builder, differentiable: tuple[bool, ...]):
-        self._inner, self._diff = inner, differentiable
+    def __init__(self, inner: Builder, differentiable: tuple[bool, ...], num_outs: int):
+        self._inner, self._diff, self._num_outs = inner, differentiable, num_outs
 
     def build(self, platform):
-        fn = self._inner.build(platform)
-        n = len(self._diff)
+        fn, given = self._inner.build(platform), self._inner.given(platform)
+        n, m = len(self._diff), self._num_outs
 
         def gradient(*args):
-            operands, cotangents = list(args[:n]), list(args[n:])
+            operands, outs, cotangents = list(args[:n]), args[n : n + m], list(args[n + m :])
+            forward = None if given is None else given(operands, outs)
+            forward = fn if forward is None else forward
             floats = [x for x, d in zip(operands, self._diff, strict=True) if d]
 
             def of_floats(*xs):
                 it = iter(xs)
                 full = [next(it) if d else x for x, d in zip(operands, self._diff, strict=True)]
-                return list(fn(*full))
+                return list(forward(*full))
 
             _, vjp = jax.vjp(of_floats, *floats)
             return list(vjp(cotangents))
@@ -173,17 +185,19 @@ def _attend(builder: Builder, platform, out_avals, *operands):
 
 def _attend_fwd(builder, platform, out_avals, *operands):
     outs = _forward_p.bind(*operands, builder=builder, platform=platform, out_avals=out_avals)
-    return outs, operands
+    return outs, (operands, outs)
 
 
-def _attend_bwd(builder, platform, out_avals, operands, cotangents):
+def _attend_bwd(builder, platform, out_avals, residuals, cotangents):
+    operands, outs = residuals
     diff = tuple(_differentiable(x) for x in operands)
     grad_avals = tuple(jax.typeof(x) for x, d in zip(operands, diff, strict=True) if d)
     grads = iter(
         _backward_p.bind(
             *operands,
+            *outs,
             *cotangents,
-            builder=_Gradient(builder, diff),
+            builder=_Gradient(builder, diff, len(outs)),
             platform=platform,
             out_avals=grad_avals,
         )
@@ -196,13 +210,16 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def attend(
     build: Callable[[str | None], Callable], platform: str | None, operands: Sequence,
-    out_avals: Sequence,
+    out_avals: Sequence, given: Callable | None = None,
 ) -> list:  # fmt: skip
     """The outputs of ``build(platform)(*operands)``, traced when lowered for ``platform``.
 
     Args:
       build: ``build(platform) -> fn``; ``fn(*operands)`` returns a list of arrays with
         ``out_avals`` (the route of ``platform``, chosen and traced at lowering time).
+      given: ``given(platform) -> ((operands, outs) -> None | fn)``: ``fn`` with its
+        forward pass given as ``outs`` (a backward pass without a recomputed forward;
+        None where the route has none), or None.
       platform: the lowering platform this branch serves (one of :data:`PLATFORMS`), or
         None for the branch of any other platform.
       operands: the arrays the route reads (tracers included; no Python scalars).
@@ -211,4 +228,4 @@ def attend(
     Returns:
       The list of outputs, differentiable (reverse mode) in the inexact operands.
     """
-    return list(_attend(Builder(build), platform, tuple(out_avals), *operands))
+    return list(_attend(Builder(build, given), platform, tuple(out_avals), *operands))
