@@ -676,15 +676,17 @@ def _pallas_outputs(out, lse, settings) -> list:
     return [*_route_outputs(out, lse if settings.return_residual else None), lse[..., None]]
 
 
-def _deferred_route(platform, call) -> list:
-    """The automatic rule's route for ``platform``, chosen and traced now (lowering time),
-    the old adapters judging by that platform (:func:`jattn.kernels.lowering_platforms`):
-    the deferred branch's outputs."""
+def _deferred_route(platform, call, named: _Named | None = None) -> list:
+    """The automatic rule's route for ``platform`` (``named``: jattn's Pallas kernel),
+    chosen and traced now (lowering time), the old adapters judging by that platform
+    (:func:`jattn.kernels.lowering_platforms`): the deferred branch's outputs."""
+    if named is not None and platform not in named.platforms:
+        raise ValueError(f"implementation='pallas' cannot be used here: {named.refusal}.")
     if platform is None:
         out, _, residual = ROUTES[_auto_elsewhere(*call)].run(*call)
     else:
         with kernels.lowering_platforms(platform):
-            name = _auto_on(platform, *call)
+            name = "pallas" if named is not None else _auto_on(platform, *call)
             if name == "pallas":
                 module = kernels.adapter("pallas")
                 out, lse = module.attention(
@@ -696,9 +698,11 @@ def _deferred_route(platform, call) -> list:
     return [*_route_outputs(out, residual), jnp.zeros((*query.shape[:-1], 1), jnp.float32)]
 
 
-def _pallas_chosen(platform, call) -> bool:
+def _pallas_chosen(platform, call, named: _Named | None) -> bool:
     if platform is None:
         return False
+    if named is not None:
+        return True
     with kernels.lowering_platforms(platform):
         return _auto_on(platform, *call) == "pallas"
 
@@ -714,16 +718,23 @@ def _pallas_given(platform, call, outs) -> list:
     return _pallas_outputs(out, lse, call[4])
 
 
-def _deferred_branch(platform, ops, settings, extras, avals: list):
+class _Named(NamedTuple):
+    """``implementation='pallas'`` deferred: the platforms it runs on, the host's refusal."""
+
+    platforms: tuple[str, ...]
+    refusal: str
+
+
+def _deferred_branch(platform, ops, settings, extras, avals: list, named: _Named | None = None):
     def branch(q, k, v):
         operands, rebuild = _split_call((q, k, v, ops, settings, extras))
 
         def build(platform):
-            return lambda *arrays: _deferred_route(platform, rebuild(arrays))
+            return lambda *arrays: _deferred_route(platform, rebuild(arrays), named)
 
         def given(platform):
             def with_outs(arrays, outs):
-                if not _pallas_chosen(platform, rebuild(arrays)):
+                if not _pallas_chosen(platform, rebuild(arrays), named):
                     return None  # the gradient recomputes the route's forward pass
                 return lambda *arrays: _pallas_given(platform, rebuild(arrays), outs)
 
@@ -759,6 +770,35 @@ def _run_deferred(name: str, call):
     return jax.lax.platform_dependent(query, key, value, default=default, **branches)
 
 
+def _pallas_elsewhere(call) -> _Named | None:
+    """For ``implementation='pallas'`` traced on a host it does not run on (a CPU host
+    without interpret mode): the platforms it runs on, when it honours the call there."""
+    query, key, value = call[:3]
+    host = host_platform()
+    if not any(isinstance(x, jax.core.Tracer) for x in (query, key, value)):
+        return None
+    refusal = _pallas_obstacle_on(host, *call)
+    if refusal is None or kernels.adapter("pallas").available(host):
+        return None  # it runs here, or refuses the call itself, not the host
+    platforms = tuple(p for p in ("cuda", "tpu") if _pallas_obstacle_on(p, *call) is None)
+    return _Named(platforms, refusal) if platforms else None
+
+
+def _run_named_pallas(named: _Named, call):
+    """``implementation='pallas'`` on another platform than the host: a deferred branch
+    per platform it runs on, and one that refuses (at lowering) for every other."""
+    query, key, value, ops, settings, extras = call
+    avals = [jax.core.ShapedArray((*query.shape[:-1], value.shape[-1]), query.dtype)]
+    if settings.return_residual:
+        avals.append(jax.core.ShapedArray(query.shape[:-1], jnp.float32))
+    # Every platform has a branch (those it does not run on refuse when lowered for).
+    branches = {
+        p: _deferred_branch(p, ops, settings, extras, avals, named) for p in _deferred.PLATFORMS
+    }
+    default = _deferred_branch(None, ops, settings, extras, avals, named)
+    return jax.lax.platform_dependent(query, key, value, default=default, **branches)
+
+
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):
     """Runs the call on the chosen implementation: ``(out, weights, residual)``.
 
@@ -766,7 +806,9 @@ def run(implementation, query, key, value, ops: Operands, settings: Settings, ex
     platform: the host's route is traced now, every other platform's is chosen and traced
     only if the program is lowered for it (:func:`_run_deferred`). Under
     :func:`jattn.kernels.lowering_platforms` it picks a route for each platform named
-    there, traced now (none named: the host's route only).
+    there, traced now (none named: the host's route only). ``implementation='pallas'``
+    traced on a host it cannot run on is deferred for GPUs and TPUs, and refuses when
+    lowered for the host (:func:`_run_named_pallas`).
     """
     call = (query, key, value, ops, settings, extras)
     platforms = kernels.route_platforms()
@@ -776,6 +818,10 @@ def run(implementation, query, key, value, ops: Operands, settings: Settings, ex
             name = _auto_on(p, *call)
             choices[p] = (name, _pallas_variant(p) if name == "pallas" else None)
         return _per_platform(choices, call)
+    if implementation == "pallas" and platforms is None:
+        named = _pallas_elsewhere(call)
+        if named is not None:
+            return _run_named_pallas(named, call)
     name = choose(implementation, *call)
     if implementation is None and platforms is None and _deferrable(call):
         return _run_deferred(name, call)

@@ -78,12 +78,13 @@ def _lowered(fn, *args, platforms=("cuda",), routed: bool = True) -> str:
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize(
-    "implementation, routed", [("pallas", True), (None, True), (None, False)],
-    ids=["pallas", "auto-routed", "auto"],
+    "implementation, routed",
+    [("pallas", True), ("pallas", False), (None, True), (None, False)],
+    ids=["pallas-routed", "pallas", "auto-routed", "auto"],
 )  # fmt: skip
 @pytest.mark.parametrize("option", OPTIONS)
 def test_lowering_carries_the_kernel(option, implementation, routed, platform):
-    """Forward and gradient carry the kernel: named, or picked by the automatic rule under
+    """Forward and gradient carry the kernel, named or picked by the automatic rule, under
     lowering_platforms (routed) and by default (no context manager: deferred)."""
     loss = _loss(OPTIONS[option], implementation)
     args = _inputs()
@@ -146,8 +147,12 @@ def test_export_for_cpu_and_cuda_runs_on_cpu():
 
 def test_refusals_name_their_reason():
     q, k, v = _inputs()
-    with pytest.raises(ValueError, match=r"runs on NVIDIA GPUs \('cuda'\) and TPUs, not on cpu"):
+    on_cpu = r"runs on NVIDIA GPUs \('cuda'\) and TPUs, not on cpu"
+    with pytest.raises(ValueError, match=on_cpu):
         jattn.dot_product_attention(q, k, v, implementation="pallas")
+    # Traced, it is deferred for GPUs and TPUs, and refuses when lowered for this host.
+    with pytest.raises(ValueError, match=on_cpu):
+        jax.jit(lambda q: jattn.dot_product_attention(q, k, v, implementation="pallas"))(q)
     mask = jnp.ones((T, T), bool)
 
     def masked(q):

@@ -155,6 +155,8 @@ def _lower(ctx, *args, builder, platform, out_avals, rule_platform):
     lowered for several platforms lowers every branch for each) zeros, never executed."""
     if rule_platform == platform:
         fn = builder.build(platform)
+    elif len(ctx.module_context.platforms) == 1:  # the branch would run here: a bug
+        raise AssertionError(f"the deferred branch of {platform} lowered for {rule_platform}")
     else:
 
         def fn(*_):
