@@ -649,6 +649,7 @@ def _split_call(call):
 
 
 def _auto_elsewhere(*call) -> str:
+    """The route of a platform without a rule of its own (:data:`AUTO_ELSEWHERE`)."""
     for name in AUTO_ELSEWHERE:
         pays = PAYS.get(name)
         if (pays is None or pays(call[0], call[1], "other")) and ROUTES[name].obstacle(
@@ -674,6 +675,13 @@ def _pallas_outputs(out, lse, settings) -> list:
     Tq])``: out, the residual if asked for, the lse for the backward pass."""
     lse = jnp.swapaxes(lse, -1, -2)  # [batch..., Tq, H]
     return [*_route_outputs(out, lse if settings.return_residual else None), lse[..., None]]
+
+
+class _Named(NamedTuple):
+    """``implementation='pallas'`` deferred: the platforms it runs on, the host's refusal."""
+
+    platforms: tuple[str, ...]
+    refusal: str
 
 
 def _deferred_route(platform, call, named: _Named | None = None) -> list:
@@ -716,13 +724,6 @@ def _pallas_given(platform, call, outs) -> list:
             *call[:5], out=out, lse=lse, interpret=_pallas_interpret(platform), platform=platform
         )
     return _pallas_outputs(out, lse, call[4])
-
-
-class _Named(NamedTuple):
-    """``implementation='pallas'`` deferred: the platforms it runs on, the host's refusal."""
-
-    platforms: tuple[str, ...]
-    refusal: str
 
 
 def _deferred_branch(platform, ops, settings, extras, avals: list, named: _Named | None = None):
