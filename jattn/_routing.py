@@ -741,7 +741,21 @@ def _deferred_branch(platform, ops, settings, extras, avals: list, named: _Named
 
             return with_outs
 
-        outs = _deferred.attend(build, platform, operands, [*avals, _lse_aval(avals[0])], given)
+        def dense(*arrays):
+            if named is not None:
+                raise ValueError(
+                    "implementation='pallas' cannot be used here: forward-mode autodiff "
+                    "(jax.jvp, jax.jacfwd, jax.hessian) is applied to the call, and the kernel "
+                    "has a custom VJP (reverse mode only). Use implementation=None or 'dense'."
+                )
+            call = rebuild(arrays)
+            out, _, residual = ROUTES["dense"].run(*call)
+            lse = jnp.zeros((*call[0].shape[:-1], 1), jnp.float32)
+            return [*_route_outputs(out, residual), lse]
+
+        outs = _deferred.attend(
+            build, platform, operands, [*avals, _lse_aval(avals[0])], given, dense
+        )
         return outs[0], None, (outs[1] if len(outs) > 2 else None)
 
     return branch

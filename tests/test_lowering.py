@@ -10,6 +10,7 @@ forward, dK/dV, dQ) and no XLA tile loop (``stablehlo.while``) or attention prod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -395,3 +396,30 @@ def test_the_deferred_pallas_gradient_runs_the_backward_kernels_alone(option, mo
     want = jax.jit(loss("dense"))(q, k, v)
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, e, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("deferred_host", [False, True])
+def test_forward_mode_over_a_jitted_call_takes_the_dense_path(deferred_host):
+    """jax.hessian of a jitted call: the deferred branches have no forward mode of their
+    own and differentiate the dense path, as the rule does when it sees jax.jvp. (jax.jvp
+    of a jitted call stages the custom VJP's linearization, which a deferred branch, as
+    every kernel route, cannot lower: JAX's documented error, the limit named in the
+    guide; the host's branch, never deferred, runs it.)"""
+    q, k, v = _small(t=8, d=4, batch=(1,))
+
+    def f(implementation):
+        return jax.jit(
+            lambda q: _weighted(
+                jattn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+            )
+        )
+
+    context = _routing._defer_host() if deferred_host else contextlib.nullcontext()
+    with context:
+        got = jax.hessian(f(None))(q)
+    np.testing.assert_allclose(got, jax.hessian(f("dense"))(q), atol=1e-5, rtol=1e-5)
+    if not deferred_host:
+        got_jvp = jax.jvp(f(None), (q,), (jnp.cos(q),))
+        want_jvp = jax.jvp(f("dense"), (q,), (jnp.cos(q),))
+        for g, e in zip(got_jvp, want_jvp, strict=True):
+            np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)

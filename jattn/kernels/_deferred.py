@@ -21,6 +21,9 @@ Transformations:
   operands get no cotangent.
 * ``jax.vmap``: both primitives batch by deferring ``jax.vmap`` of the function they
   lower (:class:`_Vmapped`); the abstract output gains the batch axis in front.
+* forward-mode autodiff (``jax.jvp`` of a jitted call, ``jax.hessian``): the routes'
+  custom VJPs have none, so both primitives differentiate the ``fallback`` (the dense
+  path) there, traced at that point.
 * ``jax.checkpoint``, ``shard_map``: plain primitives, nothing to do.
 
 This module knows nothing of routing: ``build`` is the routing's.
@@ -34,7 +37,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.extend
 import jax.numpy as jnp
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 __all__ = ["PLATFORMS", "attend"]
 
@@ -44,20 +47,24 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 class Builder:
-    """``build(platform) -> fn(*operands) -> list of arrays`` and, optionally,
-    ``given(platform) -> ((operands, outs) -> None | fn)``: the same function with its
-    forward pass given (its outputs ``outs``), whose VJP then needs no recomputed forward
-    (None: the route has none). Hashed by
-    identity (a primitive's parameters must be hashable; two calls never share one)."""
+    """``build(platform) -> fn(*operands) -> list of arrays``; optionally ``given(platform)
+    -> ((operands, outs) -> None | fn)``: the same function with its forward pass given
+    (its outputs ``outs``), whose VJP then needs no recomputed forward (None: the route has
+    none); and ``fallback() -> fn``: the function on a route that runs on every platform
+    and has forward-mode derivatives (the routing's dense path), for ``jax.jvp``. Hashed
+    by identity (a primitive's parameters must be hashable; two calls never share one)."""
 
-    def __init__(self, build: Callable, given: Callable | None = None):
-        self._build, self._given = build, given
+    def __init__(self, build: Callable, given: Callable | None, fallback: Callable):
+        self._build, self._given, self._fallback = build, given, fallback
 
     def build(self, platform: str | None) -> Callable:
         return self._build(platform)
 
     def given(self, platform: str | None) -> Callable | None:
         return None if self._given is None else self._given(platform)
+
+    def fallback(self) -> Callable:
+        return self._fallback
 
 
 class _Vmapped(Builder):
@@ -66,12 +73,17 @@ class _Vmapped(Builder):
     def __init__(self, inner: Builder, in_axes: tuple, size: int, axis_name):
         self._inner, self._in_axes, self._size, self._axis_name = inner, in_axes, size, axis_name
 
-    def build(self, platform):
-        fn = self._inner.build(platform)
+    def _vmap(self, fn):
         return jax.vmap(
             lambda *xs: list(fn(*xs)), in_axes=self._in_axes, out_axes=0,
             axis_size=self._size, axis_name=self._axis_name,
         )  # fmt: skip
+
+    def build(self, platform):
+        return self._vmap(self._inner.build(platform))
+
+    def fallback(self):
+        return self._vmap(self._inner.fallback())
 
 
 class _Gradient(Builder):
@@ -83,8 +95,7 @@ class _Gradient(Builder):
     def __init__(self, inner: Builder, differentiable: tuple[bool, ...], num_outs: int):
         self._inner, self._diff, self._num_outs = inner, differentiable, num_outs
 
-    def build(self, platform):
-        fn, given = self._inner.build(platform), self._inner.given(platform)
+    def _gradient(self, fn, given):
         n, m = len(self._diff), self._num_outs
 
         def gradient(*args):
@@ -102,6 +113,12 @@ class _Gradient(Builder):
             return list(vjp(cotangents))
 
         return gradient
+
+    def build(self, platform):
+        return self._gradient(self._inner.build(platform), self._inner.given(platform))
+
+    def fallback(self):
+        return self._gradient(self._inner.fallback(), None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -148,6 +165,20 @@ def _batch(prim, axis_data, args, dims, *, builder, platform, out_avals):
 
 for _prim in (_forward_p, _backward_p):
     batching.fancy_primitive_batchers[_prim] = functools.partial(_batch, _prim)
+
+
+def _jvp(primals, tangents, *, builder, platform, out_avals):
+    # Forward-mode autodiff of a deferred call (jax.hessian of a jitted function, say):
+    # the routes' custom VJPs have no forward mode, so the call takes the fallback (the
+    # dense path, on every platform), as the automatic rule does when it sees jax.jvp.
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    fn = builder.fallback()
+    out, tangent_out = jax.jvp(lambda *xs: list(fn(*xs)), list(primals), tangents)
+    return out, tangent_out
+
+
+for _prim in (_forward_p, _backward_p):
+    ad.primitive_jvps[_prim] = _jvp
 
 
 def _lower(ctx, *args, builder, platform, out_avals, rule_platform):
@@ -212,7 +243,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def attend(
     build: Callable[[str | None], Callable], platform: str | None, operands: Sequence,
-    out_avals: Sequence, given: Callable | None = None,
+    out_avals: Sequence, given: Callable | None, fallback: Callable,
 ) -> list:  # fmt: skip
     """The outputs of ``build(platform)(*operands)``, traced when lowered for ``platform``.
 
@@ -222,6 +253,8 @@ def attend(
       given: ``given(platform) -> ((operands, outs) -> None | fn)``: ``fn`` with its
         forward pass given as ``outs`` (a backward pass without a recomputed forward;
         None where the route has none), or None.
+      fallback: ``fn`` on a route that runs on every platform and has forward-mode
+        derivatives: what forward-mode autodiff of the call runs (``jax.jvp``).
       platform: the lowering platform this branch serves (one of :data:`PLATFORMS`), or
         None for the branch of any other platform.
       operands: the arrays the route reads (tracers included; no Python scalars).
@@ -230,4 +263,5 @@ def attend(
     Returns:
       The list of outputs, differentiable (reverse mode) in the inexact operands.
     """
-    return list(_attend(Builder(build, given), platform, tuple(out_avals), *operands))
+    builder = Builder(build, given, fallback)
+    return list(_attend(builder, platform, tuple(out_avals), *operands))
