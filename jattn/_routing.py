@@ -16,16 +16,27 @@ when asked for by name with ``JATTN_PALLAS_INTERPRET=1``; the automatic rule nev
 interpret mode (no CPU candidate is a kernel).
 
 jattn's own Pallas kernel (``'pallas'``) goes through the kernel contract
-(:func:`kernel_query` builds its :class:`jattn.kernels.KernelQuery` per platform). Under
-:func:`jattn.kernels.lowering_platforms` the automatic rule picks a route for each
-platform and ``jax.lax.platform_dependent`` carries them all, so a program lowered or
-exported for GPUs or TPUs from a CPU host holds each platform's kernel; the old adapters
-then judge by that platform too when only one is routed for (:func:`_adapter_platform`).
+(:func:`kernel_query` builds its :class:`jattn.kernels.KernelQuery` per platform).
+
+Routes are chosen per platform at lowering time. The automatic rule of a traced call
+(:func:`run`) emits one ``jax.lax.platform_dependent`` branch per platform: the host's
+route, traced now (:func:`choose`, as on the host alone), and for every other platform a
+deferred branch (:mod:`jattn.kernels._deferred`) whose route is chosen
+(:func:`_auto_on`) and traced only when the program is lowered for that platform, so
+``jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`` or ``jax.export(...,
+platforms=['cpu', 'cuda', 'tpu'])`` from a CPU host carries each platform's kernel at no
+tracing cost on the host. Under :func:`jattn.kernels.lowering_platforms` the platforms
+named get their routes traced at once (none named: the host's route only, no deferred
+branch); the old adapters then judge by that platform too when only one is routed for
+(:func:`_adapter_platform`), as they do inside a deferred branch's lowering.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import numbers
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -34,6 +45,7 @@ import jax.numpy as jnp
 
 from jattn import _checks, _util, blockwise, dense, kernels, mods
 from jattn._call import DenseExtras, Operands, Settings
+from jattn.kernels import _deferred
 
 Array = jax.Array
 
@@ -551,11 +563,267 @@ def _auto_on(platform: str, *call) -> str:
     raise AssertionError("'dense' honours every call")  # unreachable: dense is last
 
 
+# ----------------------------------------------------------------------------------------
+# The default: the host's route traced now, every other platform's deferred
+# ----------------------------------------------------------------------------------------
+
+# What the branch of a platform without a rule of its own runs (jax plugins): jattn's XLA
+# paths, the first that pays off and can.
+AUTO_ELSEWHERE = ("blockwise", "dense")
+
+# True while _defer_host() is active (tests): the host's branch is deferred too.
+_DEFER_HOST = [False]
+
+
+@contextlib.contextmanager
+def _defer_host():
+    """Defers the host's branch too (tests check the deferred machinery on the host)."""
+    _DEFER_HOST.append(True)
+    try:
+        yield
+    finally:
+        _DEFER_HOST.pop()
+
+
+def _deferrable(call) -> bool:
+    """Whether the automatic rule may defer the other platforms' routes: the call is traced
+    (eager calls run where they are) and some kernel may take it (forward-mode or nested
+    autodiff, returned weights and flax's hooks make every platform's route dense)."""
+    query, key, value, _, _, extras = call
+    if not any(isinstance(x, jax.core.Tracer) for x in (query, key, value)):
+        return False
+    return extras.needed() is None and _custom_vjp_obstacle(query, key, value) is None
+
+
+def _closure(fn):
+    """The contents of a plain function's closure cells when some hold a tracer (they
+    become operands of the deferred branch), else None."""
+    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return None
+    try:
+        values = tuple(cell.cell_contents for cell in fn.__closure__)
+    except ValueError:  # a cell not yet filled
+        return None
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values))
+    return values if traced else None
+
+
+def _with_closure(fn, values):
+    """``fn`` with its closure cells holding ``values``."""
+    cells = tuple(types.CellType(v) for v in values)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+def _split_call(call):
+    """``(operands, rebuild)``: the call's arrays, each once (tracers included: the query,
+    the operands, the modifiers' arrays and closed-over tracers), and ``rebuild(arrays)``,
+    the call again with ``arrays`` in their places (identical arrays stay identical)."""
+    query, key, value, ops, settings, extras = call
+    cells = (_closure(settings.score_mod), _closure(settings.mask_mod))
+    leaves, tree = jax.tree.flatten(
+        (query, key, value, ops, settings.score_mod, settings.mask_mod, cells)
+    )
+    operands, index, slots = [], {}, []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            if id(leaf) not in index:
+                index[id(leaf)] = len(operands)
+                operands.append(leaf)
+            slots.append((True, index[id(leaf)]))
+        else:
+            slots.append((False, leaf))
+
+    def rebuild(arrays):
+        new = [arrays[x] if is_operand else x for is_operand, x in slots]
+        q, k, v, new_ops, score_mod, mask_mod, new_cells = jax.tree.unflatten(tree, new)
+        if new_cells[0] is not None:
+            score_mod = _with_closure(score_mod, new_cells[0])
+        if new_cells[1] is not None:
+            mask_mod = _with_closure(mask_mod, new_cells[1])
+        new_settings = dataclasses.replace(settings, score_mod=score_mod, mask_mod=mask_mod)
+        return q, k, v, new_ops, new_settings, extras
+
+    return operands, rebuild
+
+
+def _auto_elsewhere(*call) -> str:
+    """The route of a platform without a rule of its own (:data:`AUTO_ELSEWHERE`)."""
+    for name in AUTO_ELSEWHERE:
+        pays = PAYS.get(name)
+        if (pays is None or pays(call[0], call[1], "other")) and ROUTES[name].obstacle(
+            *call
+        ) is None:
+            return name
+    raise AssertionError("'dense' honours every call")  # unreachable: dense is last
+
+
+def _route_outputs(out, residual) -> list:
+    return [out] if residual is None else [out, residual]
+
+
+def _lse_aval(out_aval):
+    """The deferred branch's extra output: jattn's Pallas kernel's lse ``[batch..., Tq,
+    H, 1]`` float32 (the rank of ``out``, so it keeps out's sharding), for its backward
+    pass; zeros on the other routes."""
+    return out_aval.update(shape=(*out_aval.shape[:-1], 1), dtype=jnp.float32, weak_type=False)
+
+
+def _pallas_outputs(out, lse, settings) -> list:
+    """A deferred branch's outputs from the Pallas kernel's ``(out, lse [batch..., H,
+    Tq])``: out, the residual if asked for, the lse for the backward pass."""
+    lse = jnp.swapaxes(lse, -1, -2)  # [batch..., Tq, H]
+    return [*_route_outputs(out, lse if settings.return_residual else None), lse[..., None]]
+
+
+class _Named(NamedTuple):
+    """``implementation='pallas'`` deferred: the platforms it runs on, the host's refusal."""
+
+    platforms: tuple[str, ...]
+    refusal: str
+
+
+def _deferred_route(platform, call, named: _Named | None = None) -> list:
+    """The automatic rule's route for ``platform`` (``named``: jattn's Pallas kernel),
+    chosen and traced now (lowering time), the old adapters judging by that platform
+    (:func:`jattn.kernels.lowering_platforms`): the deferred branch's outputs."""
+    if named is not None and platform not in named.platforms:
+        raise ValueError(f"implementation='pallas' cannot be used here: {named.refusal}.")
+    if platform is None:
+        out, _, residual = ROUTES[_auto_elsewhere(*call)].run(*call)
+    else:
+        with kernels.lowering_platforms(platform):
+            name = "pallas" if named is not None else _auto_on(platform, *call)
+            if name == "pallas":
+                module = kernels.adapter("pallas")
+                out, lse = module.attention(
+                    *call[:5], interpret=_pallas_interpret(platform), platform=platform
+                )
+                return _pallas_outputs(out, lse, call[4])
+            out, _, residual = _route_runner(name, platform)(*call)
+    query = call[0]
+    return [*_route_outputs(out, residual), jnp.zeros((*query.shape[:-1], 1), jnp.float32)]
+
+
+def _pallas_chosen(platform, call, named: _Named | None) -> bool:
+    if platform is None:
+        return False
+    if named is not None:
+        return True
+    with kernels.lowering_platforms(platform):
+        return _auto_on(platform, *call) == "pallas"
+
+
+def _pallas_given(platform, call, outs) -> list:
+    """The deferred branch's outputs ``outs`` as the Pallas route's with its forward pass
+    given: differentiating them runs its backward kernels alone (no recomputed forward)."""
+    out, lse = outs[0], jnp.swapaxes(outs[-1][..., 0], -1, -2)  # [batch..., H, Tq]
+    with kernels.lowering_platforms(platform):
+        out, lse = kernels.adapter("pallas").attention_given(
+            *call[:5], out=out, lse=lse, interpret=_pallas_interpret(platform), platform=platform
+        )
+    return _pallas_outputs(out, lse, call[4])
+
+
+def _deferred_branch(platform, ops, settings, extras, avals: list, named: _Named | None = None):
+    def branch(q, k, v):
+        operands, rebuild = _split_call((q, k, v, ops, settings, extras))
+
+        def build(platform):
+            return lambda *arrays: _deferred_route(platform, rebuild(arrays), named)
+
+        def given(platform):
+            def with_outs(arrays, outs):
+                if not _pallas_chosen(platform, rebuild(arrays), named):
+                    return None  # the gradient recomputes the route's forward pass
+                return lambda *arrays: _pallas_given(platform, rebuild(arrays), outs)
+
+            return with_outs
+
+        def dense(*arrays):
+            if named is not None:
+                raise ValueError(
+                    "implementation='pallas' cannot be used here: forward-mode autodiff "
+                    "(jax.jvp, jax.jacfwd, jax.hessian) is applied to the call, and the kernel "
+                    "has a custom VJP (reverse mode only). Use implementation=None or 'dense'."
+                )
+            call = rebuild(arrays)
+            out, _, residual = ROUTES["dense"].run(*call)
+            lse = jnp.zeros((*call[0].shape[:-1], 1), jnp.float32)
+            return [*_route_outputs(out, residual), lse]
+
+        outs = _deferred.attend(
+            build, platform, operands, [*avals, _lse_aval(avals[0])], given, dense
+        )
+        return outs[0], None, (outs[1] if len(outs) > 2 else None)
+
+    return branch
+
+
+def _run_deferred(name: str, call):
+    """The host's route ``name`` traced now in the host's branch, every other platform's
+    a deferred branch (:mod:`jattn.kernels._deferred`), one ``platform_dependent``."""
+    query, key, value, ops, settings, extras = call
+    host = host_platform()
+    avals: list = []  # the host's output avals: filled by its branch, traced first
+
+    def host_branch(q, k, v):
+        out, weights, residual = ROUTES[name].run(q, k, v, ops, settings, extras)
+        avals[:] = [jax.typeof(x) for x in _route_outputs(out, residual)]
+        return out, weights, residual
+
+    if _DEFER_HOST[-1]:
+        shapes = jax.eval_shape(lambda q, k, v: host_branch(q, k, v)[::2], query, key, value)
+        avals[:] = [jax.core.ShapedArray(s.shape, s.dtype) for s in shapes if s is not None]
+        host_branch = _deferred_branch(host, ops, settings, extras, avals)
+    branches = {host: host_branch}
+    for platform in _deferred.PLATFORMS:
+        if platform != host:
+            branches[platform] = _deferred_branch(platform, ops, settings, extras, avals)
+    default = _deferred_branch(None, ops, settings, extras, avals)
+    return jax.lax.platform_dependent(query, key, value, default=default, **branches)
+
+
+def _pallas_elsewhere(call) -> _Named | None:
+    """For ``implementation='pallas'`` traced on a host it does not run on (a CPU host
+    without interpret mode): the platforms it runs on, when it honours the call there."""
+    query, key, value = call[:3]
+    host = host_platform()
+    if not any(isinstance(x, jax.core.Tracer) for x in (query, key, value)):
+        return None
+    refusal = _pallas_obstacle_on(host, *call)
+    if refusal is None or kernels.adapter("pallas").available(host):
+        return None  # it runs here, or refuses the call itself, not the host
+    platforms = tuple(p for p in ("cuda", "tpu") if _pallas_obstacle_on(p, *call) is None)
+    return _Named(platforms, refusal) if platforms else None
+
+
+def _run_named_pallas(named: _Named, call):
+    """``implementation='pallas'`` on another platform than the host: a deferred branch
+    per platform it runs on, and one that refuses (at lowering) for every other."""
+    query, key, value, ops, settings, extras = call
+    avals = [jax.core.ShapedArray((*query.shape[:-1], value.shape[-1]), query.dtype)]
+    if settings.return_residual:
+        avals.append(jax.core.ShapedArray(query.shape[:-1], jnp.float32))
+    # Every platform has a branch (those it does not run on refuse when lowered for).
+    branches = {
+        p: _deferred_branch(p, ops, settings, extras, avals, named) for p in _deferred.PLATFORMS
+    }
+    default = _deferred_branch(None, ops, settings, extras, avals, named)
+    return jax.lax.platform_dependent(query, key, value, default=default, **branches)
+
+
 def run(implementation, query, key, value, ops: Operands, settings: Settings, extras):
     """Runs the call on the chosen implementation: ``(out, weights, residual)``.
 
-    Under :func:`jattn.kernels.lowering_platforms`, the automatic rule picks a route per
-    platform and the program carries each (chosen when it is lowered).
+    The automatic rule (``implementation=None``) of a traced call routes for every
+    platform: the host's route is traced now, every other platform's is chosen and traced
+    only if the program is lowered for it (:func:`_run_deferred`). Under
+    :func:`jattn.kernels.lowering_platforms` it picks a route for each platform named
+    there, traced now (none named: the host's route only). ``implementation='pallas'``
+    traced on a host it cannot run on is deferred for GPUs and TPUs, and refuses when
+    lowered for the host (:func:`_run_named_pallas`).
     """
     call = (query, key, value, ops, settings, extras)
     platforms = kernels.route_platforms()
@@ -565,5 +833,11 @@ def run(implementation, query, key, value, ops: Operands, settings: Settings, ex
             name = _auto_on(p, *call)
             choices[p] = (name, _pallas_variant(p) if name == "pallas" else None)
         return _per_platform(choices, call)
+    if implementation == "pallas" and platforms is None:
+        named = _pallas_elsewhere(call)
+        if named is not None:
+            return _run_named_pallas(named, call)
     name = choose(implementation, *call)
+    if implementation is None and platforms is None and _deferrable(call):
+        return _run_deferred(name, call)
     return ROUTES[name].run(*call)

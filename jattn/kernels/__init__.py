@@ -23,8 +23,10 @@ The kernels:
   ``implementation='cpu_fused'``); ``jattn.kernels.cpu.status()`` says whether it was
   built and loads, or why not.
 
-:func:`lowering_platforms` makes the routing choose one route per platform, at lowering
-time, for programs lowered or exported for other platforms than the host's.
+A traced call carries one route per platform, the host's traced at once and the others
+deferred to lowering time (:mod:`jattn.kernels._deferred`), so programs lowered or
+exported for other platforms than the host's hold those platforms' kernels;
+:func:`lowering_platforms` sets the platforms routed for explicitly.
 
 No module here imports a kernel at import time: jax's kernel modules load on first use
 (the Pallas GPU module warns of its deprecation on import from jax 0.12 on).

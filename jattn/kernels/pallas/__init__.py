@@ -54,6 +54,7 @@ __all__ = [
     "NAME",
     "RETURNS_LSE",
     "attention",
+    "attention_given",
     "available",
     "block_sizes",
     "obstacle",
@@ -292,6 +293,46 @@ def attention(q, k, v, ops, settings, *, interpret: bool, platform: str | None =
       ``(out [batch..., Tq, H, Dv]`` in q's dtype, ``lse [batch..., H, Tq]`` float32,
       differentiable).
     """
+    spec, layout, ins, kernel_out = _prepare(q, k, v, ops, settings, interpret, platform)
+    return kernel_out(*_flash.flash(spec, layout, ins))
+
+
+def attention_given(
+    q, k, v, ops, settings, *, out, lse, interpret: bool, platform: str | None = None
+):  # fmt: skip
+    """:func:`attention` with its forward pass given: ``out`` / ``lse`` as it returned them
+    for these inputs. Differentiating it runs the backward kernels alone (no forward
+    kernel), e.g. where the forward pass ran in another primitive.
+
+    Args:
+      q, k, v, ops, settings, interpret, platform: as :func:`attention`.
+      out: ``[batch..., Tq, H, Dv]``; lse: ``[batch..., H, Tq]`` float32.
+
+    Returns:
+      ``(out, lse)``: the given values, with the kernels' gradient.
+    """
+    spec, layout, ins, kernel_out = _prepare(q, k, v, ops, settings, interpret, platform)
+    out3, _ = adapters_common.flatten_batch(out, 3)
+    lse3, _ = adapters_common.flatten_batch(lse, 2)
+    out3 = adapters_common.pad_axis(adapters_common.pad_axis(out3, 1, spec.padded_q), 3, spec.v_dim)
+    out3 = jnp.swapaxes(out3, 1, 2) if spec.mosaic else out3
+    # Padded rows get a log-sum-exp above any logit: their probabilities are exactly 0
+    # (their output cotangent is 0 too), never an overflow.
+    lse3 = jnp.pad(
+        lse3.astype(jnp.float32), ((0, 0), (0, 0), (0, spec.padded_q - lse3.shape[-1])),
+        constant_values=_PADDED_LSE,
+    )[..., None]  # fmt: skip
+    return kernel_out(*_flash.given(spec, layout, ins, out3.astype(ins.q.dtype), lse3))
+
+
+# The log-sum-exp given to padded query rows (attention_given).
+_PADDED_LSE = 1e30
+
+
+def _prepare(q, k, v, ops, settings, interpret: bool, platform: str | None):
+    """``(spec, layout, ins, kernel_out)``: the kernels' static description, layout and
+    operands for a validated call, and ``kernel_out(out, lse)``, which turns the kernels'
+    padded outputs into :func:`attention`'s."""
     q3, batch_shape = adapters_common.flatten_batch(q, 3)
     k3, _ = adapters_common.flatten_batch(k, 3)
     v3, _ = adapters_common.flatten_batch(v, 3)
@@ -354,13 +395,16 @@ def attention(q, k, v, ops, settings, *, interpret: bool, platform: str | None =
     if mask_rest is not None or ops.block_mask is not None:
         _states(ins, spec, settings, ops, mask_rest, n, heads, q_len, kv_len, padded_q, padded_kv)
     spec = C.Spec(**spec)
-    out, lse = _flash.flash(spec, _layout(interpret, d_pad, mosaic), _flash.Inputs(**ins))
-    out = jnp.swapaxes(out, 1, 2) if mosaic else out
-    out = out[:, :q_len, :, :v_dim]
-    lse = lse[:, :, :q_len, 0]
-    return adapters_common.unflatten_batch(out, batch_shape), adapters_common.unflatten_batch(
-        lse, batch_shape
-    )
+
+    def kernel_out(out, lse):
+        out = jnp.swapaxes(out, 1, 2) if mosaic else out
+        out = out[:, :q_len, :, :v_dim]
+        lse = lse[:, :, :q_len, 0]
+        return adapters_common.unflatten_batch(out, batch_shape), adapters_common.unflatten_batch(
+            lse, batch_shape
+        )
+
+    return spec, _layout(interpret, d_pad, mosaic), _flash.Inputs(**ins), kernel_out
 
 
 def _lengths(ins, spec, ops, n: int) -> None:
