@@ -16,7 +16,8 @@ Sections (all float32, causal):
 * long: jattn blockwise forward+backward at T = 32768, once;
 * module: B=4, T=1024, C=768, H=12 multi-head attention with projections, forward and
   forward+backward (gradients w.r.t. the parameters), of ``jattn.linen`` / ``jattn.nnx``
-  ``MultiHeadAttention`` (automatic, and linen's with ``cpu_fused``), a hand-written fused-QKV variant, flax's
+  ``MultiHeadAttention`` (automatic, and linen's with ``cpu_fused``), a hand-written
+  fused-QKV variant, flax's
   ``linen.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` and a PyTorch
   module built on ``scaled_dot_product_attention``;
 * dropout: the cost of a dropout mask from each ``jax.random`` key implementation and
@@ -613,7 +614,7 @@ class Goal:
     text: str
     figure: str
     met: bool | None  # None: not measured in this run
-    key: str | None = None  # a row of ISSUE25 (that table's goals), None: an earlier issue's
+    key: str | None = None  # a row of issue25_spec() (issue 25's table), None: an earlier issue's
 
 
 GOAL_LENGTHS = (1024, 2048, 4096, 8192)  # issues 15 and 25: the lengths of the torch ratios
@@ -660,10 +661,11 @@ def issue25_report(goals: list[Goal], *, quick: bool, lengths) -> list[str]:
         else "B=1 H=8 D=64 float32 causal unless said; jattn's entry is the fused CPU kernel, "
         "`implementation='cpu_fused'`"
     )
+    kernel = f"The fused kernel: {kernels.adapter('cpu_fused').status()}."
     return [
         "## Goals (issue 25)",
         "",
-        f"{note}.",
+        f"{note}. {kernel}",
         "",
         table(["figure", "measured", "goal", ""], rows),
         "",
