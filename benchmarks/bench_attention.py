@@ -17,9 +17,8 @@ Sections (all float32, causal):
 * module: B=4, T=1024, C=768, H=12 multi-head attention with projections, forward and
   forward+backward (gradients w.r.t. the parameters), of ``jattn.linen`` / ``jattn.nnx``
   ``MultiHeadAttention`` (automatic, and linen's with ``cpu_fused``), a hand-written
-  fused-QKV variant, flax's
-  ``linen.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` and a PyTorch
-  module built on ``scaled_dot_product_attention``;
+  fused-QKV variant, flax's ``linen.MultiHeadDotProductAttention`` /
+  ``nnx.MultiHeadAttention`` and a PyTorch module built on ``scaled_dot_product_attention``;
 * dropout: the cost of a dropout mask from each ``jax.random`` key implementation and
   from jattn's Philox counters, and a training step with dropout 0.1 against one without;
 * fused dropout: ``cpu_fused`` forward+backward with dropout 0.1 against without (B=1,
