@@ -414,6 +414,7 @@ def test_benchmark_quick_mode_writes_a_table(tmp_path):
     assert "| T |" in text and "jattn blockwise ms" in text
     # the CPU, the sgemm rate of the same rounds, and the report as this CPU kind's block
     assert "sgemm GFLOP/s" in text and "blockwise / sgemm" in text
+    assert "## Goals (issue 25)" in text  # one row per row of its table, even when --quick
     assert text.startswith("<!-- cpu: ") and "<!-- end cpu: " in text
     assert list(tmp_path.glob("results-*.png"))
 
