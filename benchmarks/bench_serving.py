@@ -31,8 +31,8 @@ Figures, all from one process:
 * **compilations** (``jax.monitoring`` backend-compile events) during the first and the
   timed ``generate_many`` runs: bounded by the step shapes, not the number of requests.
 
-The machine is shared: the load average is recorded before and after, with the CPU and an
-sgemm rate from the same run; treat the figures as preliminary.
+The load average is recorded before and after (the run's own work included), with the CPU
+and an sgemm rate from the same run: figures from a shared machine are preliminary.
 
 Usage (from the repository root):
 
@@ -88,14 +88,25 @@ def workload(n: int, prompt_range, out_range, vocab: int, seed: int = 0):
     return prompts, max_new
 
 
-def pick_eos(outputs, every: int = 4) -> list[int]:
+def pick_eos(outputs, every: int = 4, max_shared: int = 1) -> list[int]:
     """For every ``every``-th request, the first token new to its output from a third of
-    the way in (else from its second token): eos ids that end those requests early."""
+    the way in (else from its second token) that at most ``max_shared`` other outputs
+    hold: eos ids that end those requests early and leave most of the others alone (an
+    untrained model's greedy outputs share many tokens)."""
+    held = [set(o.tolist()) for o in outputs]
     eos = set()
-    for out in outputs[::every]:
-        out = out.tolist()
+    for i in range(0, len(outputs), every):
+        out = outputs[i].tolist()
         for start in (len(out) // 3, 1):
-            k = next((k for k in range(start, len(out)) if out[k] not in out[:k]), None)
+            k = next(
+                (
+                    k
+                    for k in range(start, len(out))
+                    if out[k] not in out[:k]
+                    and sum(out[k] in h for j, h in enumerate(held) if j != i) <= max_shared
+                ),
+                None,
+            )
             if k is not None:
                 eos.add(out[k])
                 break
@@ -427,8 +438,8 @@ def main(argv=None) -> None:
     lines = [
         f"Command: `{command.strip()}`, {started:%Y-%m-%d %H:%M} UTC. CPU: {cpu_description()}; "
         f"XLA sgemm {gflops:.0f} GFLOP/s (1024^3, this run); jax {jax.__version__}. Load "
-        f"average (1/5/15 min) {load_before} before, {load()} after: **preliminary**, the "
-        "machine was shared.",
+        f"average (1/5/15 min) {load_before} before, {load()} after (this run's own work "
+        "included: it keeps both cores busy).",
         "",
         f"Workload: {args.requests} requests, prompts {prompt_range[0]}-{prompt_range[1]} "
         f"tokens, max_new_tokens {out_range[0]}-{out_range[1]} (seed 0); {stopped} stopped "
