@@ -79,8 +79,10 @@ step() {  # step NAME TIMEOUT LOG CMD...: runs CMD under timeout, logs it, adds 
   local rc=$?
   tail -n 25 "$log"
   echo "| $name | $rc$([ $rc = 124 ] && echo ' (timed out)') | $(($(date +%s) - t0)) |" >>"$summary"
-  return 0
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+  return 0  # the next steps still run; the script's own exit status counts the failures
 }
+failed=0
 
 step "conformance (tests/test_kernels.py ${pytest_args[*]})" 120 "$OUTDIR/conformance.log" \
   "$PY" -m pytest tests/test_kernels.py -q -rA -p no:cacheprovider "${pytest_args[@]}"
@@ -110,3 +112,7 @@ step "bench_accelerators.py (budget ${budget}s)" "$left" "$OUTDIR/bench.log" \
 echo >>"$summary"
 echo "Total: $(elapsed) s (limit $TOTAL_S s). Logs beside this file; the benchmark table is accelerators.md." >>"$summary"
 cat "$summary"
+if [ "$failed" -gt 0 ]; then
+  echo "device check: $failed step(s) failed (see the table above)" >&2
+  exit 1
+fi
