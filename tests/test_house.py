@@ -13,6 +13,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
+from _counting import counted_mask_mod
 
 import jattn
 
@@ -150,19 +151,8 @@ def test_a_circle_and_an_upward_import_are_found():
 # ----------------------------------------------------------------------------------------
 
 
-def _counted_mask_mod():
-    """A fresh ``mask_mod`` (jax caches traces per function) and its trace counter."""
-    traced = []
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        traced.append(1)
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
-
-    return mask_mod, traced
-
-
 def _traces(implementation: str, grad: bool, **kwargs) -> int:
-    mask_mod, traced = _counted_mask_mod()
+    mask_mod, traced = counted_mask_mod()
     q = jnp.ones((1, 300, 2, 8), jnp.float32)
 
     def f(q):
@@ -187,7 +177,7 @@ def test_blockwise_traces_the_mask_mod_as_often_as_dense(grad):
 
 def _block_mask_call_traces(implementation: str) -> int:
     """Traces of the mask_mod in one jitted call given a block mask (not in building it)."""
-    mask_mod, traced = _counted_mask_mod()
+    mask_mod, traced = counted_mask_mod()
     # 64 divides every tile the rule picks at 300 tokens: the block mask's states fit.
     block = jattn.block_mask(mask_mod, q_len=300, block_q=64, block_k=64)
     built = len(traced)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _counting import counted_mask_mod
 
 import jattn
 from jattn import _routing, kernels, mods
@@ -309,16 +310,6 @@ def test_the_deferred_branch_under_checkpoint():
     _deferred_vs_direct(loss, q, k, v)
 
 
-def _counted_mask_mod():
-    traced = []
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        traced.append(1)
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
-
-    return mask_mod, traced
-
-
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_default_call_traces_nothing_more_on_the_host(grad, monkeypatch):
     """The deferred branches trace no kernel and no mask_mod on the host: a default jitted
@@ -330,7 +321,7 @@ def test_a_default_call_traces_nothing_more_on_the_host(grad, monkeypatch):
     monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: calls.append(1) or pallas_call(*a, **k))
 
     def traces(host_only: bool) -> tuple[int, int]:
-        mask_mod, traced = _counted_mask_mod()
+        mask_mod, traced = counted_mask_mod()
         calls.clear()
 
         def f(q):
