@@ -767,3 +767,39 @@ def test_bias_gradient_is_bit_identical_across_thread_counts(batch, bias_shape, 
         monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
         for a, b in zip(first, run(), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@needs_kernel
+def test_inside_shard_map_with_keys_replicated_over_the_sharded_heads():
+    """Under ``shard_map`` (types checked, ``check_vma``) the kernel's results and
+    gradients vary over the mesh axes its operands do, and keys replicated over the
+    head-sharded axis get their gradient summed over it: equal to the dense path's."""
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((1,), ("heads",))
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (2, 40, 4, 16))
+    k, v = jax.random.normal(kk, (2, 40, 1, 16)), jax.random.normal(kv, (2, 40, 1, 16))
+    placed = [jax.device_put(x, jax.NamedSharding(mesh, s)) for x, s in
+              ((q, P(None, None, "heads")), (k, P()), (v, P()))]  # fmt: skip
+
+    def loss(implementation, shard):
+        def f(q, k, v):
+            out = jattn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=implementation
+            )
+            return jnp.sum(out * jnp.cos(out))
+
+        if shard:
+            local = f
+            f = jax.shard_map(
+                lambda q, k, v: jax.lax.psum(local(q, k, v), "heads"),
+                mesh=mesh,
+                in_specs=(P(None, None, "heads"), P(), P()),
+                out_specs=P(),
+            )
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    got = loss("cpu_fused", shard=True)(*placed)
+    want = loss("dense", shard=False)(q, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)

@@ -139,6 +139,23 @@ def transposed(x: Array, block: int) -> Array:
     return x
 
 
+def _varying_axes(*xs) -> frozenset:
+    """The manual mesh axes (inside ``shard_map``) that any of ``xs`` varies over."""
+    return frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(xs)))
+
+
+def _vary(tree, axes: frozenset):
+    """Every array of ``tree`` cast to vary over ``axes`` (those it does not already), as a
+    jax primitive's operands and results are: ``ffi_call`` returns its results unvarying,
+    and a custom VJP's cotangents must match their primals' types."""
+
+    def cast(x):
+        missing = tuple(sorted(axes - jax.typeof(x).mat.varying))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree) if axes else tree
+
+
 def _forward_call(q, k, v, aux: Aux, static: Static):
     if _library.library() is None:  # the adapter refuses first; this is a safety net
         raise RuntimeError(f"jattn's fused CPU kernel is {_library.status()}")
@@ -153,12 +170,20 @@ def _forward_call(q, k, v, aux: Aux, static: Static):
         kt = transposed(k, static.block_k)
     else:  # decoding: the kernel reads the keys in place (a copy would cost more than it saves)
         kt = jnp.zeros((*batch, 1), jnp.float32)
-    return call(q, k, v, kt, *aux, **static.attributes(backward=False))
+    results = call(q, k, v, kt, *aux, **static.attributes(backward=False))
+    return _vary(results, _varying_axes(q, k, v, aux))
+
+
+def attention(q: Array, k: Array, v: Array, aux: Aux, static: Static) -> tuple[Array, Array]:
+    """``(out, lse)`` of the fused kernel (shapes: module docstring). Inside ``shard_map``
+    the operands first vary over the same mesh axes (jax sums the gradient of one that did
+    not, such as keys replicated over a head-sharded axis, when it transposes the cast)."""
+    q, k, v, aux = _vary((q, k, v, aux), _varying_axes(q, k, v, aux))
+    return _attention(q, k, v, aux, static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention(q: Array, k: Array, v: Array, aux: Aux, static: Static) -> tuple[Array, Array]:
-    """``(out, lse)`` of the fused kernel (shapes: module docstring)."""
+def _attention(q: Array, k: Array, v: Array, aux: Aux, static: Static) -> tuple[Array, Array]:
     return _forward_call(q, k, v, aux, static)
 
 
@@ -185,11 +210,13 @@ def _attention_bwd(static: Static, residuals, cotangents):
     )
     call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
-    dq, dk, dv, d_slope_rows, d_bias_rows = call(
+    results = call(
         q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
         aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
         aux.mask, aux.blocks, **static.attributes(backward=True), dbias_mode=np.int64(mode),
     )  # fmt: skip
+    axes = _varying_axes(q, k, v, aux, d_out, lse)
+    dq, dk, dv, d_slope_rows, d_bias_rows = _vary(results, axes)
     d_sinks = jnp.zeros_like(aux.sinks)
     if static.has_sinks:
         # d lse_i / d sink = p_sink,i = exp(sink - lse_i); d out_i / d sink = -p_sink,i out_i.
@@ -232,4 +259,4 @@ def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
