@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "attention.h"
 
@@ -55,16 +56,32 @@ inline vi iota() {
   return r;
 }
 
+// x with its lanes rotated by K (lane u takes lane u + K mod W).
+template <int K, int... U>
+inline vf rotate_lanes(vf x, std::integer_sequence<int, U...>) {
+  return __builtin_shufflevector(x, x, ((U + K) % W)...);
+}
+
+template <int K>
+inline vf rotate(vf x) {
+  return rotate_lanes<K>(x, std::make_integer_sequence<int, W>{});
+}
+
+// Horizontal max and sum as trees (log2(W) dependent steps, not W).
 inline float hmax(vf x) {
-  float m = x[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, x[i]);
-  return m;
+  if constexpr (W >= 16) x = x > rotate<8>(x) ? x : rotate<8>(x);
+  if constexpr (W >= 8) x = x > rotate<4>(x) ? x : rotate<4>(x);
+  x = x > rotate<2>(x) ? x : rotate<2>(x);
+  x = x > rotate<1>(x) ? x : rotate<1>(x);
+  return x[0];
 }
 
 inline float hsum(vf x) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += x[i];
-  return s;
+  if constexpr (W >= 16) x += rotate<8>(x);
+  if constexpr (W >= 8) x += rotate<4>(x);
+  x += rotate<2>(x);
+  x += rotate<1>(x);
+  return x[0];
 }
 
 // exp(x) to about 1 ulp (Cephes' expf polynomial); exactly 0 below -87 (and for -inf).
@@ -482,7 +499,7 @@ inline void softmax_row(const Params& p, float* s, int64_t ncols, int64_t nk, co
     sum += e;  // the normaliser counts every weight; dropout drops from the values' sum
     store(s + c, rd.on ? e * dropout_factor(rd, j0 + c) : e);
   }
-  float alpha = *m == -kInf ? 0.f : std::exp(*m - m_new);
+  float alpha = *m == -kInf ? 0.f : vexp(splat(*m - m_new))[0];
   *l = *l * alpha + hsum(sum);
   if (alpha != 1.f)
     for (int64_t d = 0; d < dv; ++d) o[d] *= alpha;
