@@ -702,6 +702,10 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
   const float *kt, *vt;  // the key block's K^T [D, Tkp] and V^T [Dv, Tkp], at column j0
   float *s, *dp, *th;
   int32_t* kseg;
+  // Copies with contiguous rows (set_kv_tile, set_q_tile): the key block's K [bk, D], the
+  // query block's Q [bq, D] and dO [bq, Dv]. In place their rows are H or K heads apart,
+  // a power of two that maps a product's operand panel onto a few L1 sets.
+  float *k, *q, *dout;
 };
 
 // S -> P and dP -> dS for one tile whose kt, vt and kseg are packed. cols: this pass owns
@@ -710,10 +714,8 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
 void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
                    TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
                    int64_t nk, int64_t ncols, bool cols, bool rows) {
-  const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
-  const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
-  gemm(nq, ncols, p.D, qp, p.H * p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
-  gemm(nq, ncols, p.Dv, dop, p.H * p.Dv, 1, w.vt, p.Tkp, w.dp, p.bk, false);
+  gemm(nq, ncols, p.D, w.q, p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
+  gemm(nq, ncols, p.Dv, w.dout, p.Dv, 1, w.vt, p.Tkp, w.dp, p.bk, false);
   const float* lse = t.lse + (b * p.H + h) * p.Tq + i0;
   const float* delta = t.delta + (b * p.H + h) * p.Tq + i0;
   for (int64_t r = 0; r < nq; ++r) {
@@ -744,8 +746,17 @@ void zero_dbias_cols(const Params& p, const Tensors& t, int64_t b, int64_t h, in
   if (p.dbias_mode == 3) std::fill_n(t.dbias + (b * p.H + h) * p.Tk + j0, nk, 0.f);
 }
 
+int64_t backward_accumulator_floats(const Params& p) {
+  return std::max(p.bk * (p.D + p.Dv), p.bq * p.D);
+}
+
 int64_t backward_scratch(const Params& p) {
-  return 3 * p.bq * p.bk + p.bk + std::max(p.bk * (p.D + p.Dv), p.bq * p.D);
+  return 3 * p.bq * p.bk + p.bk + backward_accumulator_floats(p) + p.bk * p.D +
+         p.bq * (p.D + p.Dv);
+}
+
+float* backward_accumulators(const Params& p, float* scratch) {
+  return scratch + 3 * p.bq * p.bk + p.bk;
 }
 
 BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
@@ -755,11 +766,23 @@ BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
   w.dp = w.s + p.bq * p.bk;
   w.th = w.dp + p.bq * p.bk;
   w.kseg = reinterpret_cast<int32_t*>(w.th + p.bq * p.bk);
+  w.k = backward_accumulators(p, scratch) + backward_accumulator_floats(p);
+  w.q = w.k + p.bk * p.D;
+  w.dout = w.q + p.bq * p.D;
   return w;
 }
 
-float* backward_accumulators(const Params& p, float* scratch) {
-  return scratch + 3 * p.bq * p.bk + p.bk;
+// Copies m rows of n floats, row stride rs, to contiguous rows.
+void copy_rows(int64_t m, int64_t n, const float* src, int64_t rs, float* dst) {
+  for (int64_t i = 0; i < m; ++i) std::memcpy(dst + i * n, src + i * rs, sizeof(float) * n);
+}
+
+// Copies the rows of query block [i0, i0 + nq) of head h (Q and dO).
+void set_q_tile(const Params& p, const Tensors& t, BackwardTile* w, int64_t b, int64_t h,
+                int64_t i0, int64_t nq) {
+  const int64_t row = (b * p.Tq + i0) * p.H + h;
+  copy_rows(nq, p.D, t.q + row * p.D, p.H * p.D, w->q);
+  copy_rows(nq, p.Dv, t.dout + row * p.Dv, p.H * p.Dv, w->dout);
 }
 
 // Points the tile at key block j0 of kv head kh and copies its key segment ids.
@@ -767,6 +790,7 @@ void set_kv_tile(const Params& p, const Tensors& t, const Batch& bt, BackwardTil
                  int64_t kh, int64_t j0, int64_t nk, int64_t ncols) {
   w->kt = t.kt + (b * p.K + kh) * p.D * p.Tkp + j0;
   w->vt = t.vt + (b * p.K + kh) * p.Dv * p.Tkp + j0;
+  copy_rows(nk, p.D, t.k + ((b * p.Tk + j0) * p.K + kh) * p.D, p.K * p.D, w->k);
   copy_kv_segments(p, bt, j0, nk, ncols, w->kseg);
 }
 
@@ -791,11 +815,10 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
       const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
       const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
       if (state == TileState::kEmpty) continue;
+      set_q_tile(p, t, &w, b, h, i0, nq);
       backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, false);
-      const float* qp = t.q + ((b * p.Tq + i0) * p.H + h) * p.D;
-      const float* dop = t.dout + ((b * p.Tq + i0) * p.H + h) * p.Dv;
-      gemm(nk, p.Dv, nq, w.s, 1, p.bk, dop, p.H * p.Dv, dv, p.Dv, true);  // (Z P)^T dO
-      gemm(nk, p.D, nq, w.dp, 1, p.bk, qp, p.H * p.D, dk, p.D, true);     // dS^T Q
+      gemm(nk, p.Dv, nq, w.s, 1, p.bk, w.dout, p.Dv, dv, p.Dv, true);  // (Z P)^T dO
+      gemm(nk, p.D, nq, w.dp, 1, p.bk, w.q, p.D, dk, p.D, true);       // dS^T Q
     }
   }
   for (int64_t j = 0; j < nk; ++j) {
@@ -819,6 +842,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
   std::fill(dq, dq + nq * p.D, 0.f);
   if (p.alibi != 0) std::fill_n(t.dslope + (b * p.H + h) * p.Tq + i0, nq, 0.f);
   zero_dbias_rows(p, t, b, h, i0, nq);
+  set_q_tile(p, t, &w, b, h, i0, nq);
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
     const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
@@ -826,8 +850,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
     backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, false, true);
-    const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
-    gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, dq, p.D, true);  // dS K
+    gemm(nq, p.D, nk, w.dp, p.bk, 1, w.k, p.D, dq, p.D, true);  // dS K
   }
   for (int64_t r = 0; r < nq; ++r)
     std::memcpy(t.dq + ((b * p.Tq + i0 + r) * p.H + h) * p.D, dq + r * p.D,
@@ -858,17 +881,17 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
     std::fill(dk, dk + nk * p.D, 0.f);
     std::fill(dv, dv + nk * p.Dv, 0.f);
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
-    const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
     for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
       for (int64_t qb = 0; qb < nb.nqb; ++qb) {
         const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
         const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
         if (state == TileState::kEmpty) continue;
+        set_q_tile(p, t, &w, b, h, i0, nq);
         backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, true);
         const int64_t row = (b * p.Tq + i0) * p.H + h;
-        gemm(nk, p.Dv, nq, w.s, 1, p.bk, t.dout + row * p.Dv, p.H * p.Dv, dv, p.Dv, true);
-        gemm(nk, p.D, nq, w.dp, 1, p.bk, t.q + row * p.D, p.H * p.D, dk, p.D, true);
-        gemm(nq, p.D, nk, w.dp, p.bk, 1, kp, p.K * p.D, t.dq + row * p.D, p.H * p.D, true);
+        gemm(nk, p.Dv, nq, w.s, 1, p.bk, w.dout, p.Dv, dv, p.Dv, true);
+        gemm(nk, p.D, nq, w.dp, 1, p.bk, w.q, p.D, dk, p.D, true);
+        gemm(nq, p.D, nk, w.dp, p.bk, 1, w.k, p.D, t.dq + row * p.D, p.H * p.D, true);
       }
     }
     for (int64_t j = 0; j < nk; ++j) {
