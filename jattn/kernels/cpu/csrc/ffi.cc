@@ -184,8 +184,10 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   p->has_sinks = has_sinks != 0;
   p->has_dropout = has_dropout != 0;
   p->alibi = alibi;
-  // The query tile: a multiple of the micro-kernel's rows unless asked for.
-  p->bq = block_q > 0 ? block_q : 8 * isa().mr;
+  // The query tile: a multiple of the micro-kernel's rows unless asked for; 16 of them
+  // (192 queries on AVX-512) read each key tile for more rows than 8 did (the forward 8%
+  // faster at T >= 4096 on Zen 4, no slower at 1024; the backward unchanged).
+  p->bq = block_q > 0 ? block_q : 16 * isa().mr;
   p->bk = block_k;
   if (p->bk <= 0 || p->bk % isa().nr || p->Tkp < p->Tk ||
       (ktd.size() == qd.size() && p->Tkp % p->bk))
