@@ -466,6 +466,18 @@ inline const float* bias_row(const Params& p, const Batch& bt, int64_t h, int64_
 // Forward
 // ---------------------------------------------------------------------------------------
 
+// How many of key tile [j0, j0 + ncols)'s columns rows [i0, i1) can see at all: up to the
+// last row's right bound (causal, a right window, the key length; nondecreasing in the row),
+// rounded up to whole vectors (the rest are masked where they are read).
+inline int64_t visible_columns(const Params& p, const Batch& bt, int64_t i0, int64_t i1,
+                               int64_t j0, int64_t ncols) {
+  const int64_t last = std::min(i1, bt.q_len) - 1;
+  if (last < i0) return 0;
+  int64_t lo, hi;
+  row_range(p, bt, last, &lo, &hi);
+  return std::clamp<int64_t>((hi - j0 + W - 1) / W * W, 0, ncols);
+}
+
 struct Blocks {
   int64_t nqb, nkb;
 };
@@ -544,19 +556,30 @@ void forward_blocks(const Params& p, const Tensors& t, int64_t b, int64_t h, int
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
     copy_kv_segments(p, bt, j0, nk, ncols, w.kseg);
-    if (kt_head != nullptr) {
-      gemm(nq, ncols, p.D, qp, q_rs, 1, kt_head + j0, p.Tkp, w.s, p.bk, false);
-    } else {  // a few queries: no transposed copy of the keys was made
+    if (kt_head == nullptr) {  // a few queries: no transposed copy of the keys was made
       const float* kp = t.k + ((b * p.Tk + j0) * p.K + kh) * p.D;
       gemm_rows_dot(nq, nk, ncols, p.D, qp, q_rs, kp, p.K * p.D, w.s, p.bk);
     }
-    for (int64_t r = 0; r < nq; ++r) {
-      const int64_t i = i0 + r;
-      softmax_row(p, w.s + r * p.bk, ncols, nk, row_mask(p, bt, state, h, i, j0, nk), w.kseg,
-                  row_dropout(p, t, bt, b, h, i), row_alibi(p, t, b, h, i),
-                  bias_row(p, bt, h, i, j0), j0, w.m + r, w.l + r, w.o + r * p.Dv, p.Dv);
+    // Row blocks of 4 MR rows, each through S, softmax and PV while its rows of S are in L1;
+    // on a partial tile only the columns the block's last row can see.
+    const int64_t step = kt_head == nullptr ? nq : 4 * MR;
+    for (int64_t r0 = 0; r0 < nq; r0 += step) {
+      const int64_t nr = std::min(step, nq - r0);
+      const int64_t nc = state == TileState::kFull || kt_head == nullptr
+                             ? ncols
+                             : visible_columns(p, bt, i0 + r0, i0 + r0 + nr, j0, ncols);
+      float* s = w.s + r0 * p.bk;
+      if (kt_head != nullptr)
+        gemm(nr, nc, p.D, qp + r0 * q_rs, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
+      for (int64_t r = r0; r < r0 + nr; ++r) {
+        const int64_t i = i0 + r;
+        softmax_row(p, w.s + r * p.bk, nc, nk, row_mask(p, bt, state, h, i, j0, nk), w.kseg,
+                    row_dropout(p, t, bt, b, h, i), row_alibi(p, t, b, h, i),
+                    bias_row(p, bt, h, i, j0), j0, w.m + r, w.l + r, w.o + r * p.Dv, p.Dv);
+      }
+      // P is 0 past column nc, so the product stops there (adding 0 * V changes no bit).
+      gemm(nr, p.Dv, std::min(nk, nc), s, p.bk, 1, vp, v_rs, w.o + r0 * p.Dv, p.Dv, true);
     }
-    gemm(nq, p.Dv, nk, w.s, p.bk, 1, vp, v_rs, w.o, p.Dv, true);
   }
 }
 
@@ -711,24 +734,61 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
 // S -> P and dP -> dS for one tile whose kt, vt and kseg are packed. cols: this pass owns
 // the tile's key columns (dK, dV: P becomes Z P for dV; the bias's column sums); rows: its
 // query rows (the slopes' and the bias's row gradients).
+// A tile's row blocks: the whole tile when it is full, else blocks of 4 MR rows, each with
+// the columns its rows can see (visible_columns); P and dS are 0 past them, so the products
+// stop there.
+inline int64_t row_block_rows(TileState state, int64_t nq) {
+  return state == TileState::kFull ? nq : 4 * MR;
+}
+
+inline int64_t row_block_columns(const Params& p, const Batch& bt, TileState state,
+                                 int64_t i0, int64_t nr, int64_t j0, int64_t ncols) {
+  return state == TileState::kFull ? ncols : visible_columns(p, bt, i0, i0 + nr, j0, ncols);
+}
+
 void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
                    TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
                    int64_t nk, int64_t ncols, bool cols, bool rows) {
-  gemm(nq, ncols, p.D, w.q, p.D, 1, w.kt, p.Tkp, w.s, p.bk, false);
-  gemm(nq, ncols, p.Dv, w.dout, p.Dv, 1, w.vt, p.Tkp, w.dp, p.bk, false);
   const float* lse = t.lse + (b * p.H + h) * p.Tq + i0;
   const float* delta = t.delta + (b * p.H + h) * p.Tq + i0;
-  for (int64_t r = 0; r < nq; ++r) {
-    const int64_t i = i0 + r;
-    const RowMask rm = row_mask(p, bt, state, h, i, j0, nk);
-    float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
-    const RowAlibi ra = row_alibi(p, t, b, h, i);
-    probabilities_row(p, w.s + r * p.bk, ncols, nk, rm, w.kseg, lse[r], th, ra,
-                      bias_row(p, bt, h, i, j0), j0);
-    const RowDropout rd = row_dropout(p, t, bt, b, h, i);
-    float* dslope = rows && ra.on ? t.dslope + (b * p.H + h) * p.Tq + i : nullptr;
-    dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, ncols, nk, delta[r], th, rd, j0, cols, ra,
-                dslope, dbias_row(p, t, b, h, i, j0, rows, cols));
+  const int64_t step = row_block_rows(state, nq);
+  for (int64_t r0 = 0; r0 < nq; r0 += step) {
+    const int64_t nr = std::min(step, nq - r0);
+    const int64_t nc = row_block_columns(p, bt, state, i0 + r0, nr, j0, ncols);
+    gemm(nr, nc, p.D, w.q + r0 * p.D, p.D, 1, w.kt, p.Tkp, w.s + r0 * p.bk, p.bk, false);
+    gemm(nr, nc, p.Dv, w.dout + r0 * p.Dv, p.Dv, 1, w.vt, p.Tkp, w.dp + r0 * p.bk, p.bk, false);
+    for (int64_t r = r0; r < r0 + nr; ++r) {
+      const int64_t i = i0 + r;
+      const RowMask rm = row_mask(p, bt, state, h, i, j0, nk);
+      float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
+      const RowAlibi ra = row_alibi(p, t, b, h, i);
+      probabilities_row(p, w.s + r * p.bk, nc, nk, rm, w.kseg, lse[r], th, ra,
+                        bias_row(p, bt, h, i, j0), j0);
+      const RowDropout rd = row_dropout(p, t, bt, b, h, i);
+      float* dslope = rows && ra.on ? t.dslope + (b * p.H + h) * p.Tq + i : nullptr;
+      dlogits_row(p, w.s + r * p.bk, w.dp + r * p.bk, nc, nk, delta[r], th, rd, j0, cols, ra,
+                  dslope, dbias_row(p, t, b, h, i, j0, rows, cols));
+    }
+  }
+}
+
+// The products after backward_tile, row block by row block: (Z P)^T dO into dv [nk, Dv] and
+// dS^T Q into dk [nk, D] (when dv is set), dS K into dq (row stride dq_rs, when set). Both
+// backward schedules take them from here, in this order.
+void backward_products(const Params& p, const Batch& bt, const BackwardTile& w,
+                       TileState state, int64_t i0, int64_t nq, int64_t j0, int64_t nk,
+                       int64_t ncols, float* dk, float* dv, float* dq, int64_t dq_rs) {
+  const int64_t step = row_block_rows(state, nq);
+  for (int64_t r0 = 0; r0 < nq; r0 += step) {
+    const int64_t nr = std::min(step, nq - r0);
+    const int64_t kc = std::min(nk, row_block_columns(p, bt, state, i0 + r0, nr, j0, ncols));
+    const float* s = w.s + r0 * p.bk;
+    const float* dp = w.dp + r0 * p.bk;
+    if (dv != nullptr) {
+      gemm(kc, p.Dv, nr, s, 1, p.bk, w.dout + r0 * p.Dv, p.Dv, dv, p.Dv, true);
+      gemm(kc, p.D, nr, dp, 1, p.bk, w.q + r0 * p.D, p.D, dk, p.D, true);
+    }
+    if (dq != nullptr) gemm(nr, p.D, kc, dp, p.bk, 1, w.k, p.D, dq + r0 * dq_rs, dq_rs, true);
   }
 }
 
@@ -817,8 +877,7 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
       if (state == TileState::kEmpty) continue;
       set_q_tile(p, t, &w, b, h, i0, nq);
       backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, false);
-      gemm(nk, p.Dv, nq, w.s, 1, p.bk, w.dout, p.Dv, dv, p.Dv, true);  // (Z P)^T dO
-      gemm(nk, p.D, nq, w.dp, 1, p.bk, w.q, p.D, dk, p.D, true);       // dS^T Q
+      backward_products(p, bt, w, state, i0, nq, j0, nk, ncols, dk, dv, nullptr, 0);
     }
   }
   for (int64_t j = 0; j < nk; ++j) {
@@ -850,7 +909,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
     backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, false, true);
-    gemm(nq, p.D, nk, w.dp, p.bk, 1, w.k, p.D, dq, p.D, true);  // dS K
+    backward_products(p, bt, w, state, i0, nq, j0, nk, ncols, nullptr, nullptr, dq, p.D);
   }
   for (int64_t r = 0; r < nq; ++r)
     std::memcpy(t.dq + ((b * p.Tq + i0 + r) * p.H + h) * p.D, dq + r * p.D,
@@ -888,10 +947,8 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
         if (state == TileState::kEmpty) continue;
         set_q_tile(p, t, &w, b, h, i0, nq);
         backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, true);
-        const int64_t row = (b * p.Tq + i0) * p.H + h;
-        gemm(nk, p.Dv, nq, w.s, 1, p.bk, w.dout, p.Dv, dv, p.Dv, true);
-        gemm(nk, p.D, nq, w.dp, 1, p.bk, w.q, p.D, dk, p.D, true);
-        gemm(nq, p.D, nk, w.dp, p.bk, 1, w.k, p.D, t.dq + row * p.D, p.H * p.D, true);
+        float* dq = t.dq + ((b * p.Tq + i0) * p.H + h) * p.D;
+        backward_products(p, bt, w, state, i0, nq, j0, nk, ncols, dk, dv, dq, p.H * p.D);
       }
     }
     for (int64_t j = 0; j < nk; ++j) {
