@@ -6,8 +6,8 @@
 //   JATTN_MR   micro-kernel rows (accumulators: 2 * JATTN_MR vectors)
 //   JATTN_WIDE_MR  rows of the micro-kernel four vectors wide (4 * JATTN_WIDE_MR
 //              accumulators), taken where a product is that wide; 0: none. Per operand
-//              loaded it does more multiply-adds than the MR x 2 one (measured on Zen 4:
-//              the forward's products 20% faster at D = 64).
+//              loaded it does more multiply-adds than the MR x 2 one (measured on the
+//              AVX-512 EPYC: the forward's products 20% faster at D = 64).
 //
 // FlashAttention-2 structure. Forward, one item per (batch, head, query block): for each key
 // block that the masks leave visible, S = Q K^T (a register-blocked micro-kernel against
