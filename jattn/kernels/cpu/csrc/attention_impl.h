@@ -15,7 +15,10 @@
 // mask, the running max, a polynomial exp and the running sum, then O += P V. Backward, two
 // passes that each write their own outputs (no atomics, no reductions across threads):
 // per (batch, kv head, key block) dK and dV over every query block of the heads sharing the
-// kv head; per (batch, head, query block) dQ over every key block.
+// kv head; per (batch, head, query block) dQ over every key block. Or, where its items
+// balance on the workers, one pass per (batch, kv head) with dQ accumulated in place: the
+// same sums in the same order, so the same bits. Tiles run in row blocks of 4 MR rows; on
+// a partial tile each block's products stop at the last column its rows can see.
 
 #include <algorithm>
 #include <cmath>
