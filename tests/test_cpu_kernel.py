@@ -236,11 +236,18 @@ def fused_results(case: Case):
     return [np.asarray(x) for x in (out, lse, *grads)]
 
 
+# One (batch, kv head) pair: one worker takes the backward's single pass, two take the two
+# passes (finer items), which must give the same bits.
+ONE_PAIR_CASE = Case("one_pair", batch=(1,), tq=170, tk=170, h=2, kh=1, d=32, causal=True,
+                     segments="cross", window=(120, None))  # fmt: skip
+
+
 @needs_kernel
-@pytest.mark.parametrize("case", [DETERMINISM_CASE, SINGLE_PASS_CASE], ids=str)
+@pytest.mark.parametrize("case", [DETERMINISM_CASE, SINGLE_PASS_CASE, ONE_PAIR_CASE], ids=str)
 def test_bit_identical_across_runs_and_thread_counts(case, monkeypatch):
     """Each output element is computed by one worker in a fixed order: no dependence on
-    scheduling or on the number of threads (JATTN_CPU_THREADS caps the workers)."""
+    scheduling or on the number of threads (JATTN_CPU_THREADS caps the workers), nor on the
+    backward's schedule, which follows it."""
     first = fused_results(case)
     again = fused_results(case)
     monkeypatch.setenv(cpu_adapter.THREADS_ENV, "1")

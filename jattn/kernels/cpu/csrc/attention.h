@@ -21,7 +21,7 @@ namespace jattn {
 
 struct Params {
   int64_t B, Tq, Tk, H, K, D, Dv;
-  int64_t Tkp;  // Tk padded to a multiple of bk: the row length of kt and vt
+  int64_t Tkp;  // the row length of kt and vt: at least Tk rounded up to a multiple of bk
   float scale;
   float softcap;  // 0: none; else logits become softcap * tanh(logits / softcap)
   bool causal;

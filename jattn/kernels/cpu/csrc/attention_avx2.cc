@@ -18,6 +18,7 @@
 #define JATTN_ISA_NAME "avx2"
 #define JATTN_W 8
 #define JATTN_MR 6
+#define JATTN_WIDE_MR 0
 #include "attention_impl.h"
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -18,6 +18,7 @@
 #define JATTN_ISA_NAME "avx512"
 #define JATTN_W 16
 #define JATTN_MR 12
+#define JATTN_WIDE_MR 6
 #include "attention_impl.h"
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -3,6 +3,7 @@
 #define JATTN_ISA_NAME "generic"
 #define JATTN_W 4
 #define JATTN_MR 6
+#define JATTN_WIDE_MR 0
 #include "attention_impl.h"
 
 namespace jattn {
