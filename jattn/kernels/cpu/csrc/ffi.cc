@@ -197,8 +197,8 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   return ffi::Error::Success();
 }
 
-// Points t at the bias and mask (when given) with their layouts (offsets owns the offsets).
-struct Layouts {  // owns the per-batch-row offsets the Tensors point into
+// The per-batch-row offsets of the bias, mask and block states that the Tensors point into.
+struct Layouts {
   std::vector<int64_t> bias, mask, blocks;
 };
 
@@ -230,28 +230,60 @@ ffi::Error block_states(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::S8>& block
 
 ffi::Error bias_and_mask(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::F32>& bias,
                          ffi::Buffer<ffi::PRED>& mask, int64_t has_bias, int64_t has_mask,
-                         Params* p, Tensors* t, std::vector<int64_t>* bias_offsets,
-                         std::vector<int64_t>* mask_offsets) {
+                         Params* p, Tensors* t, Layouts* lay) {
   p->has_bias = has_bias != 0;
   p->has_mask = has_mask != 0;
   p->bias_sh = p->bias_si = p->bias_sj = p->mask_sh = p->mask_si = p->mask_sj = 0;
   p->dbias_mode = 0;
   p->split_k = 0;
   if (p->has_bias) {
-    ffi::Error err = broadcast_layout(qd, bias.dimensions(), *p, "bias", bias_offsets,
+    ffi::Error err = broadcast_layout(qd, bias.dimensions(), *p, "bias", &lay->bias,
                                       &p->bias_sh, &p->bias_si, &p->bias_sj);
     if (err.failure()) return err;
     t->bias = bias.typed_data();
-    t->bias_offset = bias_offsets->data();
+    t->bias_offset = lay->bias.data();
   }
   if (p->has_mask) {
-    ffi::Error err = broadcast_layout(qd, mask.dimensions(), *p, "mask", mask_offsets,
+    ffi::Error err = broadcast_layout(qd, mask.dimensions(), *p, "mask", &lay->mask,
                                       &p->mask_sh, &p->mask_si, &p->mask_sj);
     if (err.failure()) return err;
     t->mask = reinterpret_cast<const uint8_t*>(mask.typed_data());
-    t->mask_offset = mask_offsets->data();
+    t->mask_offset = lay->mask.data();
   }
   return ffi::Error::Success();
+}
+
+// The operands the forward and backward handlers share, pointed at by t (lay owns the
+// bias's, mask's and block states' per-batch-row offsets).
+struct SharedOperands {
+  ffi::Buffer<ffi::F32>&q, &k, &v, &kt;
+  ffi::Buffer<ffi::S32>&q_len, &kv_len, &q_seg, &kv_seg;
+  ffi::Buffer<ffi::U32>&drop_k0, &drop_k1, &drop_threshold;
+  ffi::Buffer<ffi::F32>&drop_scale, &slopes, &bias;
+  ffi::Buffer<ffi::PRED>& mask;
+  ffi::Buffer<ffi::S8>& blocks;
+  int64_t has_bias, has_mask, has_blocks, block_mask_q, block_mask_k;
+};
+
+ffi::Error shared_operands(const SharedOperands& a, Params* p, Tensors* t, Layouts* lay) {
+  t->q = a.q.typed_data();
+  t->k = a.k.typed_data();
+  t->v = a.v.typed_data();
+  t->kt = a.kt.dimensions().size() == a.q.dimensions().size() ? a.kt.typed_data() : nullptr;
+  t->q_len = a.q_len.typed_data();
+  t->kv_len = a.kv_len.typed_data();
+  t->q_seg = a.q_seg.typed_data();
+  t->kv_seg = a.kv_seg.typed_data();
+  t->drop_k0 = a.drop_k0.typed_data();
+  t->drop_k1 = a.drop_k1.typed_data();
+  t->drop_threshold = a.drop_threshold.typed_data();
+  t->drop_scale = a.drop_scale.typed_data();
+  t->slopes = a.slopes.typed_data();
+  ffi::Error err =
+      bias_and_mask(a.q.dimensions(), a.bias, a.mask, a.has_bias, a.has_mask, p, t, lay);
+  if (err.failure()) return err;
+  return block_states(a.q.dimensions(), a.blocks, a.has_blocks, a.block_mask_q,
+                      a.block_mask_k, p, t, lay);
 }
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -275,30 +307,15 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                                has_dropout, alibi, block_q, block_k, &p);
   if (err.failure()) return err;
   Tensors t;
-  t.q = q.typed_data();
-  t.k = k.typed_data();
-  t.v = v.typed_data();
-  t.kt = kt.dimensions().size() == q.dimensions().size() ? kt.typed_data() : nullptr;
-  t.q_len = q_len.typed_data();
-  t.kv_len = kv_len.typed_data();
-  t.q_seg = q_seg.typed_data();
-  t.kv_seg = kv_seg.typed_data();
+  Layouts lay;
+  err = shared_operands({q, k, v, kt, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
+                         drop_threshold, drop_scale, slopes, bias, mask, blocks, has_bias,
+                         has_mask, has_blocks, block_mask_q, block_mask_k},
+                        &p, &t, &lay);
+  if (err.failure()) return err;
   t.sinks = sinks.typed_data();
-  t.drop_k0 = drop_k0.typed_data();
-  t.drop_k1 = drop_k1.typed_data();
-  t.drop_threshold = drop_threshold.typed_data();
-  t.drop_scale = drop_scale.typed_data();
-  t.slopes = slopes.typed_data();
   t.out = out->typed_data();
   t.lse = lse->typed_data();
-  std::vector<int64_t> bias_offsets, mask_offsets;
-  err = bias_and_mask(q.dimensions(), bias, mask, has_bias, has_mask, &p, &t, &bias_offsets,
-                      &mask_offsets);
-  if (err.failure()) return err;
-  Layouts lay;
-  err = block_states(q.dimensions(), blocks, has_blocks, block_mask_q, block_mask_k, &p, &t,
-                     &lay);
-  if (err.failure()) return err;
   if (p.B * p.H * p.Tq == 0) return ffi::Error::Success();
   const Isa& k_isa = isa();
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, threads = worker_count(pool, max_threads);
@@ -348,35 +365,20 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                                alibi, block_q, block_k, &p);
   if (err.failure()) return err;
   Tensors t;
-  t.q = q.typed_data();
-  t.k = k.typed_data();
-  t.v = v.typed_data();
-  t.kt = kt.dimensions().size() == q.dimensions().size() ? kt.typed_data() : nullptr;
-  t.q_len = q_len.typed_data();
-  t.kv_len = kv_len.typed_data();
-  t.q_seg = q_seg.typed_data();
-  t.kv_seg = kv_seg.typed_data();
+  Layouts lay;
+  err = shared_operands({q, k, v, kt, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
+                         drop_threshold, drop_scale, slopes, bias, mask, blocks, has_bias,
+                         has_mask, has_blocks, block_mask_q, block_mask_k},
+                        &p, &t, &lay);
+  if (err.failure()) return err;
   t.vt = vt.typed_data();
   t.dout = dout.typed_data();
   t.lse = lse.typed_data();
   t.delta = delta.typed_data();
-  t.drop_k0 = drop_k0.typed_data();
-  t.drop_k1 = drop_k1.typed_data();
-  t.drop_threshold = drop_threshold.typed_data();
-  t.drop_scale = drop_scale.typed_data();
-  t.slopes = slopes.typed_data();
   t.dq = dq->typed_data();
   t.dk = dk->typed_data();
   t.dv = dv->typed_data();
   t.dslope = dslope->typed_data();
-  std::vector<int64_t> bias_offsets, mask_offsets;
-  err = bias_and_mask(q.dimensions(), bias, mask, has_bias, has_mask, &p, &t, &bias_offsets,
-                      &mask_offsets);
-  if (err.failure()) return err;
-  Layouts lay;
-  err = block_states(q.dimensions(), blocks, has_blocks, block_mask_q, block_mask_k, &p, &t,
-                     &lay);
-  if (err.failure()) return err;
   p.dbias_mode = p.has_bias ? dbias_mode : 0;
   t.dbias = dbias->typed_data();
   const Isa& k_isa = isa();
