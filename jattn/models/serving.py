@@ -404,9 +404,10 @@ class _Server:
         decoding step), else over the narrowest page table that holds the longest row."""
         after = self.lengths[rows] + num_new  # rows with num_new 0 read nothing they use
         if blocked:
-            needed = paged.block_list(np.where(num_new > 0, after, 0), self.pages.size)
-            count = next(n for n in self.block_counts if n >= len(needed))
-            blocks = paged.block_list(np.where(num_new > 0, after, 0), self.pages.size, count)
+            attended = np.where(num_new > 0, after, 0)
+            needed = len(paged.block_list(attended, self.pages.size))
+            count = next(n for n in self.block_counts if n >= needed)
+            blocks = paged.block_list(attended, self.pages.size, count)
             width, shape = self.max_pages, count
         else:
             longest = int(after[num_new > 0].max())
