@@ -127,12 +127,12 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 # Keys per block of a work list (PagedKVCache.blocks): whole pages, about 128 keys, enough
 # for a block's attention to take the fused CPU kernel (which pays from 128 keys on) and
 # few enough that a row's last block wastes little.
-BLOCK_KEYS = 128
+_BLOCK_KEYS = 128
 
 
 def block_size(page_size: int) -> int:
     """Positions per block of a :attr:`PagedKVCache.blocks` work list (whole pages)."""
-    return page_size * max(1, BLOCK_KEYS // page_size)
+    return page_size * max(1, _BLOCK_KEYS // page_size)
 
 
 def block_list(lengths, page_size: int, num_blocks: int | None = None) -> np.ndarray:
