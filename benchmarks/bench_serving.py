@@ -451,7 +451,7 @@ def main(argv=None) -> None:
         ("compilations, first run / all timed runs (same shapes)",
          f"{compiles_first} / {compiles_timed}",
          "constant in requests"),
-        ("step shapes compiled (rows, tokens, pages)", f"{len(stats.programs)}", ""),
+        ("step shapes compiled (rows, tokens, pages or key blocks)", f"{len(stats.programs)}", ""),
     ]  # fmt: skip
     command = "PYTHONPATH=$PWD python benchmarks/bench_serving.py " + " ".join(sys.argv[1:])
     lines = [
