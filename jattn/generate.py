@@ -90,6 +90,16 @@ def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
     return temperature, top_k
 
 
+def _first_max(logits: Array) -> Array:
+    """int32 ``[batch...]``: ``jnp.argmax`` over the last axis (the first largest; the
+    first NaN if any), as two plain reductions: XLA's CPU argmax (a reduction over value and
+    index pairs) takes 3-6x longer on ``[16, 8192]`` logits, as much as a layer's step."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+
+
 def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, top_k=None):
     """Picks one token per row from next-token logits.
 
@@ -119,7 +129,7 @@ def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, t
     # [batch..., V] in float32: sampling should not depend on a bfloat16 rounding.
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return _first_max(logits)
     if top_k is not None and top_k < logits.shape[-1]:
         # [batch..., 1]: the k-th largest logit; everything below it is hidden.
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]

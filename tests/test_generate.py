@@ -262,6 +262,16 @@ def test_sample_next_greedy_is_argmax():
     np.testing.assert_array_equal(gen.sample_next(logits), np.argmax(logits, axis=-1))
 
 
+def test_sample_next_greedy_takes_the_first_of_ties_and_nans_as_argmax():
+    logits = np.array(
+        [[1.0, 3.0, 3.0, 0.0], [np.nan, 2.0, np.nan, 1.0], [2.0, 1.0, np.nan, 5.0], [-np.inf] * 4],
+        np.float32,
+    )
+    picked = jax.jit(gen.sample_next)(jnp.asarray(logits))
+    np.testing.assert_array_equal(picked, np.argmax(logits, axis=-1))
+    assert picked.dtype == jnp.int32
+
+
 def test_sample_next_follows_the_tempered_softmax():
     logits = jnp.array([2.0, 1.0, 0.0, -1.0, 0.5])
     n, temperature = 20000, 0.8

@@ -151,6 +151,46 @@ def test_modifiers_window_and_sinks_equal_contiguous_cache():
     np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
 
 
+def test_block_list_covers_each_row_in_order_and_pads():
+    span = paged.block_size(16)
+    want = [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2]]
+    got = paged.block_list([span + 1, 0, 1, 3 * span], 16, num_blocks=8)
+    np.testing.assert_array_equal(got, want + [[4, 0]] * 2)  # padding: a row past the batch
+    with pytest.raises(ValueError, match="need 6 blocks"):
+        paged.block_list([span + 1, 0, 1, 3 * span], 16, num_blocks=5)
+
+
+@pytest.mark.parametrize("modified", [False, True])
+def test_block_work_list_attends_like_the_contiguous_cache(modified):
+    """Prefill and decode over a (row, block) work list, with padding entries, rows of
+    several blocks, a row with no tokens; with modifiers the page-table path serves it."""
+    page, width = 32, 12  # blocks of 128 positions: up to 3 per row
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, 300)
+    pc = shuffled_cache(rng, width=width, pool=B * width)._replace(
+        k_pages=jnp.zeros((B * width, page, K, D)), v_pages=jnp.zeros((B * width, page, K, D))
+    )
+    cc = kv.init_cache(B, width * page, K, D)
+    opts = dict(local_window_size=(150, 0), sinks=jnp.ones((H,))) if modified else {}
+    for lo, hi, n in ((0, 290, [290, 0, 140]), (290, 291, [1, 1, 1]), (291, 292, [1, 0, 1])):
+        n = jnp.asarray(n)
+        blocks = paged.block_list(np.asarray(pc.lengths + n), page, num_blocks=9)
+        chunk = [x[:, lo:hi] for x in (q, k, v)]
+        po, pc = paged.update_and_attend(
+            pc._replace(blocks=jnp.asarray(blocks)), *chunk, num_new=n, **opts
+        )
+        co, cc = kv.update_and_attend(cc, *chunk, num_new=n, **opts)
+        np.testing.assert_allclose(po, co, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(pc.lengths, [292, 1, 142])
+    if not modified:  # the list is what is attended: a row left out attends nothing
+        step = [x[:, 292:293] for x in (q, k, v)]
+        blocks = paged.block_list(np.asarray(pc.lengths + 1) * np.array([1, 1, 0]), page)
+        po, _ = paged.update_and_attend(pc._replace(blocks=jnp.asarray(blocks)), *step)
+        co, _ = kv.update_and_attend(cc, *step)
+        np.testing.assert_allclose(po[:2], co[:2], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(po[2], 0.0)
+
+
 def test_multihead_attention_with_rope_decodes_through_pages():
     """The NNX module (RoPE, GQA) with a paged cache gives the full-sequence output."""
     rng = np.random.default_rng(4)

@@ -15,11 +15,13 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
   counts) and prefills only the rest.
 
 **Fixed shapes.** Two programs run: a decoding step on ``[slots, 1]`` tokens and a prefill
-chunk on ``[1, prefill_chunk]``; each step attends over a page-table width taken from a
-few buckets (powers of two of pages, up to the longest request), the smallest that holds
-the longest active row. So the number of compilations is bounded by twice the number of
-buckets, whatever the number of requests, and a step's cost follows the tokens held, not
-the capacity.
+chunk on ``[1, prefill_chunk]``. A decoding step attends over a work list of key blocks
+(:func:`jattn.paged.block_list`: each slot's blocks up to its length, padded to one of a
+few counts), so its cost follows the tokens the slots hold, not ``slots`` times the
+longest of them; a prefill chunk attends over a page-table width taken from a few
+buckets (powers of two of pages), the smallest that holds its row. So the number of
+compilations is bounded by the number of counts and widths, whatever the number of
+requests.
 
 Admission reserves, for every running request, the pages it may still need, so the pool
 never runs dry mid-request (no preemption is needed); pages themselves are only taken when
@@ -29,9 +31,9 @@ tokens arrive.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Sequence
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -59,9 +61,9 @@ class ServingStats(NamedTuple):
       num_pages: pages in the pool.
       page_size: positions per page.
       shared_pages: page references taken from another request's prompt (prefix sharing).
-      programs: the step shapes run, ``(rows, tokens, width)`` each: ``(slots, 1, w)`` a
-        decoding step, ``(1, prefill_chunk, w)`` a prefill chunk, over ``w`` pages; one
-        compilation each.
+      programs: the step shapes run, ``(rows, tokens, n)`` each: ``(slots, 1, n)`` a
+        decoding step over ``n`` key blocks, ``(1, prefill_chunk, n)`` a prefill chunk over
+        ``n`` pages; one compilation each.
     """
 
     decode_steps: int
@@ -150,13 +152,15 @@ def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
     return float(temperature), top_k
 
 
-def _widths(max_pages: int) -> tuple[int, ...]:
-    """The page-table widths a step may use: powers of two below ``max_pages``, and it."""
+def _buckets(most: int, fine: bool = False) -> tuple[int, ...]:
+    """The sizes a step's shape may take: powers of two below ``most`` (with ``fine``, and
+    each one and a half times one), and ``most``: a few shapes, each padded at most 2x
+    (1.5x)."""
     out, w = [], 1
-    while w < max_pages:
-        out.append(w)
+    while w < most:
+        out += [w, w + w // 2] if fine and w > 1 else [w]
         w *= 2
-    return (*out, max_pages)
+    return (*sorted(x for x in out if x < most), most)
 
 
 # ----------------------------------------------------------------------------------------
@@ -164,8 +168,28 @@ def _widths(max_pages: int) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------
 
 
-@partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k"), donate_argnames="pools")
-def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, temperature, top_k):
+@functools.lru_cache(maxsize=8)
+def _step_fn(graphdef, treedef, temperature: float, top_k: int | None):
+    """The compiled step of one model structure and sampling mode (see :func:`_step`).
+
+    The model's structure is bound here once rather than passed as a static argument:
+    jit would hash the ``GraphDef`` on every call (about a third of a millisecond, as
+    much as a small decoding step's attention), and the state travels as its flat leaves.
+    """
+
+    def step(leaves, pools, table, lengths, blocks, tokens, num_new, key, ids):
+        state = jax.tree.unflatten(treedef, leaves)
+        return _step(
+            graphdef, state, pools, table, lengths, blocks, tokens, num_new, key, ids,
+            temperature=temperature, top_k=top_k,
+        )  # fmt: skip
+
+    return jax.jit(step, donate_argnames="pools")
+
+
+def _step(
+    graphdef, state, pools, table, lengths, blocks, tokens, num_new, key, ids, *, temperature, top_k
+):
     """Runs a chunk through the model on paged caches and picks each row's next token.
 
     Args:
@@ -174,6 +198,7 @@ def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, 
         pages (donated: written in place).
       table: int32 ``[B, W]``: the rows' page tables, ``W`` pages wide.
       lengths: int32 ``[B]``: tokens each row holds before the chunk.
+      blocks: None, or int32 ``[N, 2]``: the key blocks to attend (``paged.block_list``).
       tokens: int32 ``[B, T]``; ``num_new`` int32 ``[B]`` of them are real per row.
       key: the run's ``jax.random`` key, or None (greedy).
       ids: int32 ``[B, 2]``: each row's request index and the index of the token it picks,
@@ -184,7 +209,9 @@ def _step(graphdef, state, pools, table, lengths, tokens, num_new, key, ids, *, 
     """
     model = nnx.merge(graphdef, state)
     for block, (k_pages, v_pages, *scales) in zip(model.trf_blocks, pools, strict=True):
-        block.att.cache = nnx.Cache(paged.PagedKVCache(k_pages, v_pages, table, lengths, *scales))
+        block.att.cache = nnx.Cache(
+            paged.PagedKVCache(k_pages, v_pages, table, lengths, *scales, blocks=blocks)
+        )
     # [B, T, V] -> [B, V]: the logits after each row's last real token
     logits = model(tokens, deterministic=True, decode=True, num_new=num_new)
     last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(num_new - 1, 0)]
@@ -273,13 +300,19 @@ class _Server:
         for block in decoder.trf_blocks:
             if hasattr(block.att, "cache"):
                 del block.att.cache
-        self.graphdef, self.state = nnx.split(decoder)
+        graphdef, state = nnx.split(decoder)
+        self.leaves, treedef = jax.tree.flatten(state)
+        _, temperature, top_k = sampling
+        self.step = _step_fn(graphdef, treedef, temperature, top_k)
         self.requests, self.waiting = requests, list(requests)
         self.slots: list[_Request | None] = [None] * slots
         self.eos, self.sampling, self.chunk, self.share = eos, sampling, chunk, share
         self.pages = _Pages(num_pages, page_size)
         self.max_pages = max(_need(r, page_size) for r in requests)
-        self.widths = _widths(self.max_pages)
+        self.widths = _buckets(self.max_pages)
+        # decoding steps attend over key blocks (paged.block_list), at most this many
+        span = paged.block_size(page_size)
+        self.block_counts = _buckets(slots * -(-self.max_pages * page_size // span), fine=True)
         self.table = np.full((slots, self.max_pages), num_pages, np.int32)
         self.lengths = np.zeros(slots, np.int32)
         self.last = np.zeros(slots, np.int32)
@@ -366,17 +399,26 @@ class _Server:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def _run(self, rows, tokens, num_new, picks):
-        # the longest row this chunk writes to (rows with num_new 0 read nothing they use)
-        longest = int((self.lengths[rows] + num_new)[num_new > 0].max())
-        width = next(w for w in self.widths if w * self.pages.size >= longest)
-        self.programs.add((*tokens.shape, width))
-        key, temperature, top_k = self.sampling
+    def _run(self, rows, tokens, num_new, picks, blocked=False):
+        """One step on ``rows``; ``blocked``: over the key blocks the rows hold (a
+        decoding step), else over the narrowest page table that holds the longest row."""
+        after = self.lengths[rows] + num_new  # rows with num_new 0 read nothing they use
+        if blocked:
+            attended = np.where(num_new > 0, after, 0)
+            needed = len(paged.block_list(attended, self.pages.size))
+            count = next(n for n in self.block_counts if n >= needed)
+            blocks = paged.block_list(attended, self.pages.size, count)
+            width, shape = self.max_pages, count
+        else:
+            longest = int(after[num_new > 0].max())
+            width = next(w for w in self.widths if w * self.pages.size >= longest)
+            blocks, shape = None, width
+        self.programs.add((*tokens.shape, shape))
         ids = np.array([[r.index, len(r.out)] for r in picks], np.int32)
         # numpy arguments go straight to the program (jnp.asarray would compile a copy per shape)
-        picked, self.pools = _step(
-            self.graphdef, self.state, self.pools, self.table[rows, :width], self.lengths[rows],
-            tokens, num_new, key, ids, temperature=temperature, top_k=top_k,
+        picked, self.pools = self.step(
+            self.leaves, self.pools, self.table[rows, :width], self.lengths[rows], blocks,
+            tokens, num_new, self.sampling[0], ids,
         )  # fmt: skip
         self.lengths[rows] += num_new
         self.held.append(self.pages.held())
@@ -418,7 +460,9 @@ class _Server:
         for s in live:
             self._grow(s, int(self.lengths[s]) + 1)
         picks = [r if r is not None else self.requests[0] for r in self.slots]
-        picked = self._run(np.arange(len(self.slots)), self.last[:, None].copy(), num_new, picks)
+        picked = self._run(
+            np.arange(len(self.slots)), self.last[:, None].copy(), num_new, picks, blocked=True
+        )
         self.decode_steps += 1
         for s in live:
             self._emit(s, int(picked[s]))
