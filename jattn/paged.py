@@ -54,6 +54,7 @@ under ``jax.jit`` tokens past the table (or on unallocated pages) are not writte
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -135,7 +136,7 @@ def block_size(page_size: int) -> int:
     return page_size * max(1, _BLOCK_KEYS // page_size)
 
 
-def block_list(lengths, page_size: int, num_blocks: int | None = None) -> np.ndarray:
+def block_list(lengths, page_size: int, num_blocks=None) -> np.ndarray:
     """The work list that covers each row's first ``lengths[row]`` positions (host side).
 
     Args:
@@ -143,7 +144,8 @@ def block_list(lengths, page_size: int, num_blocks: int | None = None) -> np.nda
         length before it plus its real tokens); 0 lists no block for the row.
       page_size: positions per page.
       num_blocks: pad the list to this many entries (padding rows are ``rows``, outside
-        the batch); default the blocks needed.
+        the batch), or to the smallest of a sorted sequence of counts that holds it (a
+        jitted step's few shapes); default the blocks needed.
 
     Returns:
       int32 ``[num_blocks, 2]``: ``(row, block)`` pairs, rows in order.
@@ -156,6 +158,8 @@ def block_list(lengths, page_size: int, num_blocks: int | None = None) -> np.nda
     pairs = np.stack([rows, blocks], axis=1).astype(np.int32)
     if num_blocks is None:
         return pairs
+    if not isinstance(num_blocks, numbers.Integral):
+        num_blocks = next((n for n in num_blocks if n >= total), num_blocks[-1])
     if num_blocks < total:
         raise ValueError(f"lengths {lengths.tolist()} need {total} blocks, more than {num_blocks}.")
     padding = np.tile(np.array([[lengths.size, 0]], np.int32), (num_blocks - total, 1))

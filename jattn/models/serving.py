@@ -405,10 +405,8 @@ class _Server:
         after = self.lengths[rows] + num_new  # rows with num_new 0 read nothing they use
         if blocked:
             attended = np.where(num_new > 0, after, 0)
-            needed = len(paged.block_list(attended, self.pages.size))
-            count = next(n for n in self.block_counts if n >= needed)
-            blocks = paged.block_list(attended, self.pages.size, count)
-            width, shape = self.max_pages, count
+            blocks = paged.block_list(attended, self.pages.size, self.block_counts)
+            width, shape = self.max_pages, len(blocks)
         else:
             longest = int(after[num_new > 0].max())
             width = next(w for w in self.widths if w * self.pages.size >= longest)

@@ -481,6 +481,18 @@ inline int64_t visible_columns(const Params& p, const Batch& bt, int64_t i0, int
   return std::clamp<int64_t>((hi - j0 + W - 1) / W * W, 0, ncols);
 }
 
+// A tile's row blocks: the whole tile when it is full, else blocks of 4 MR rows, each with
+// the columns its rows can see (visible_columns); P and dS are 0 past them, so the products
+// stop there.
+inline int64_t row_block_rows(TileState state, int64_t nq) {
+  return state == TileState::kFull ? nq : 4 * MR;
+}
+
+inline int64_t row_block_columns(const Params& p, const Batch& bt, TileState state,
+                                 int64_t i0, int64_t nr, int64_t j0, int64_t ncols) {
+  return state == TileState::kFull ? ncols : visible_columns(p, bt, i0, i0 + nr, j0, ncols);
+}
+
 struct Blocks {
   int64_t nqb, nkb;
 };
@@ -568,9 +580,8 @@ void forward_blocks(const Params& p, const Tensors& t, int64_t b, int64_t h, int
     const int64_t step = kt_head == nullptr ? nq : 4 * MR;
     for (int64_t r0 = 0; r0 < nq; r0 += step) {
       const int64_t nr = std::min(step, nq - r0);
-      const int64_t nc = state == TileState::kFull || kt_head == nullptr
-                             ? ncols
-                             : visible_columns(p, bt, i0 + r0, i0 + r0 + nr, j0, ncols);
+      const int64_t nc =
+          kt_head == nullptr ? ncols : row_block_columns(p, bt, state, i0 + r0, nr, j0, ncols);
       float* s = w.s + r0 * p.bk;
       if (kt_head != nullptr)
         gemm(nr, nc, p.D, qp + r0 * q_rs, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
@@ -737,18 +748,6 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
 // S -> P and dP -> dS for one tile whose kt, vt and kseg are packed. cols: this pass owns
 // the tile's key columns (dK, dV: P becomes Z P for dV; the bias's column sums); rows: its
 // query rows (the slopes' and the bias's row gradients).
-// A tile's row blocks: the whole tile when it is full, else blocks of 4 MR rows, each with
-// the columns its rows can see (visible_columns); P and dS are 0 past them, so the products
-// stop there.
-inline int64_t row_block_rows(TileState state, int64_t nq) {
-  return state == TileState::kFull ? nq : 4 * MR;
-}
-
-inline int64_t row_block_columns(const Params& p, const Batch& bt, TileState state,
-                                 int64_t i0, int64_t nr, int64_t j0, int64_t ncols) {
-  return state == TileState::kFull ? ncols : visible_columns(p, bt, i0, i0 + nr, j0, ncols);
-}
-
 void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const BackwardTile& w,
                    TileState state, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0,
                    int64_t nk, int64_t ncols, bool cols, bool rows) {
