@@ -501,36 +501,48 @@ inline Blocks blocks(const Params& p) {
   return {(p.Tq + p.bq - 1) / p.bq, (p.Tk + p.bk - 1) / p.bk};
 }
 
-// One row of the online softmax: s (the row's logits, ncols) becomes P in place; m, l and
-// the output row o (length dv) are updated for the new running max.
-inline void softmax_row(const Params& p, float* s, int64_t ncols, int64_t nk, const RowMask& rm,
-                        const int32_t* kseg, const RowDropout& rd, const RowAlibi& ra,
-                        const float* brow, int64_t j0, float* m, float* l, float* o,
-                        int64_t dv) {
-  if (p.softcap != 0.f) softcap_logits(p, s, ncols, nullptr);
-  vf vmax = splat(-kInf);
-  for (int64_t c = 0; c < ncols; c += W) {
-    vf x = visible(rm, c, kseg) ? logits(p, s, c, ra, brow, nk, j0) : splat(-kInf);
-    store(s + c, x);
-    vmax = vmax > x ? vmax : x;
+// R rows of the online softmax, interleaved: each row's logits s[r] (ncols) become P in
+// place; m, l and the output rows o[r] (length dv) are updated for the new running max.
+// The rows' passes run side by side so that their exp chains overlap (one row at a time
+// left the vector units waiting on each exp's latency, about a quarter of the forward);
+// each row's arithmetic and order are a lone row's, so R does not change a bit.
+template <int R>
+inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_t nk,
+                         const RowMask* rm, const int32_t* kseg, const RowDropout* rd,
+                         const RowAlibi* ra, const float* const* brow, int64_t j0, float* m,
+                         float* l, float* const* o, int64_t dv) {
+  if (p.softcap != 0.f)
+    for (int r = 0; r < R; ++r) softcap_logits(p, s[r], ncols, nullptr);
+  vf vmax[R];
+  for (int r = 0; r < R; ++r) vmax[r] = splat(-kInf);
+  for (int64_t c = 0; c < ncols; c += W)
+    for (int r = 0; r < R; ++r) {
+      vf x = visible(rm[r], c, kseg) ? logits(p, s[r], c, ra[r], brow[r], nk, j0) : splat(-kInf);
+      store(s[r] + c, x);
+      vmax[r] = vmax[r] > x ? vmax[r] : x;
+    }
+  float m_new[R];
+  vf mv[R], sum[R];
+  for (int r = 0; r < R; ++r) {
+    m_new[r] = std::max(m[r], hmax(vmax[r]));
+    // nothing visible in this row yet: every logit is -inf and exp(-inf - 0) writes P = 0
+    mv[r] = splat(m_new[r] == -kInf ? 0.f : m_new[r]);
+    sum[r] = vf{};
   }
-  float m_new = std::max(*m, hmax(vmax));
-  if (m_new == -kInf) {  // nothing visible in this row yet
-    std::memset(s, 0, sizeof(float) * ncols);
-    return;
+  for (int64_t c = 0; c < ncols; c += W)
+    for (int r = 0; r < R; ++r) {
+      vf e = vexp(load(s[r] + c) - mv[r]);
+      sum[r] += e;  // the normaliser counts every weight; dropout drops from the values' sum
+      store(s[r] + c, rd[r].on ? e * dropout_factor(rd[r], j0 + c) : e);
+    }
+  for (int r = 0; r < R; ++r) {
+    if (m_new[r] == -kInf) continue;  // m, l and o stay as they are
+    float alpha = m[r] == -kInf ? 0.f : vexp(splat(m[r] - m_new[r]))[0];
+    l[r] = l[r] * alpha + hsum(sum[r]);
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < dv; ++d) o[r][d] *= alpha;
+    m[r] = m_new[r];
   }
-  const vf mv = splat(m_new);
-  vf sum = vf{};
-  for (int64_t c = 0; c < ncols; c += W) {
-    vf e = vexp(load(s + c) - mv);
-    sum += e;  // the normaliser counts every weight; dropout drops from the values' sum
-    store(s + c, rd.on ? e * dropout_factor(rd, j0 + c) : e);
-  }
-  float alpha = *m == -kInf ? 0.f : vexp(splat(*m - m_new))[0];
-  *l = *l * alpha + hsum(sum);
-  if (alpha != 1.f)
-    for (int64_t d = 0; d < dv; ++d) o[d] *= alpha;
-  *m = m_new;
 }
 
 int64_t forward_scratch(const Params& p) { return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.bk; }
@@ -548,6 +560,29 @@ ForwardTile forward_tile(const Params& p, float* scratch) {
   w.s = w.l + p.bq;         // [bq, bk]
   w.kseg = reinterpret_cast<int32_t*>(w.s + p.bq * p.bk);  // [bk]
   return w;
+}
+
+// softmax_rows over tile rows r ... r + R - 1 (queries i0 + r ...) of key tile j0.
+template <int R>
+inline void softmax_group(const Params& p, const Tensors& t, const Batch& bt, int64_t b,
+                          int64_t h, int64_t i0, int64_t r, TileState state, int64_t j0,
+                          int64_t nk, int64_t nc, const ForwardTile& w) {
+  float* s[R];
+  float* o[R];
+  const float* brow[R];
+  RowMask rm[R];
+  RowDropout rd[R];
+  RowAlibi ra[R];
+  for (int u = 0; u < R; ++u) {
+    const int64_t i = i0 + r + u;
+    s[u] = w.s + (r + u) * p.bk;
+    o[u] = w.o + (r + u) * p.Dv;
+    brow[u] = bias_row(p, bt, h, i, j0);
+    rm[u] = row_mask(p, bt, state, h, i, j0, nk);
+    rd[u] = row_dropout(p, t, bt, b, h, i);
+    ra[u] = row_alibi(p, t, b, h, i);
+  }
+  softmax_rows<R>(p, s, nc, nk, rm, w.kseg, rd, ra, brow, j0, w.m + r, w.l + r, o, p.Dv);
 }
 
 // The online softmax of rows [i0, i0 + nq) of (b, h) over key blocks [kb0, kb1), from an
@@ -585,12 +620,9 @@ void forward_blocks(const Params& p, const Tensors& t, int64_t b, int64_t h, int
       float* s = w.s + r0 * p.bk;
       if (kt_head != nullptr)
         gemm(nr, nc, p.D, qp + r0 * q_rs, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
-      for (int64_t r = r0; r < r0 + nr; ++r) {
-        const int64_t i = i0 + r;
-        softmax_row(p, w.s + r * p.bk, nc, nk, row_mask(p, bt, state, h, i, j0, nk), w.kseg,
-                    row_dropout(p, t, bt, b, h, i), row_alibi(p, t, b, h, i),
-                    bias_row(p, bt, h, i, j0), j0, w.m + r, w.l + r, w.o + r * p.Dv, p.Dv);
-      }
+      int64_t r = r0;
+      for (; r + 4 <= r0 + nr; r += 4) softmax_group<4>(p, t, bt, b, h, i0, r, state, j0, nk, nc, w);
+      for (; r < r0 + nr; ++r) softmax_group<1>(p, t, bt, b, h, i0, r, state, j0, nk, nc, w);
       // P is 0 past column nc, so the product stops there (adding 0 * V changes no bit).
       gemm(nr, p.Dv, std::min(nk, nc), s, p.bk, 1, vp, v_rs, w.o + r0 * p.Dv, p.Dv, true);
     }
