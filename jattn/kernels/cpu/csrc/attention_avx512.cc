@@ -19,6 +19,8 @@
 #define JATTN_W 16
 #define JATTN_MR 12
 #define JATTN_WIDE_MR 6
+#define JATTN_SCALEF 1
+#include <immintrin.h>
 #include "attention_impl.h"
 #if defined(__clang__)
 #pragma clang attribute pop

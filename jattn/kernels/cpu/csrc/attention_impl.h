@@ -41,6 +41,13 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // jattn.large_negative(float32): the lse of a row that attends nothing.
 constexpr float kLargeNegative = -0.7f * std::numeric_limits<float>::max();
 
+// Unrolls a loop over a few rows, so that their vectors stay in registers.
+#if defined(__clang__)
+#define JATTN_UNROLL_ROWS _Pragma("unroll")
+#else
+#define JATTN_UNROLL_ROWS _Pragma("GCC unroll 8")
+#endif
+
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -88,9 +95,13 @@ inline float hsum(vf x) {
 }
 
 // exp(x) to about 1 ulp (Cephes' expf polynomial); exactly 0 below -87 (and for -inf).
+// With AVX-512 the power of two is applied by vscalefps (one instruction for the shifts and
+// the product; beyond 88 it gives inf by itself, so no upper clamp is needed).
 inline vf vexp(vf x) {
   vf xc = x < splat(-87.f) ? splat(-87.f) : x;
+#if !JATTN_SCALEF
   xc = xc > splat(88.f) ? splat(88.f) : xc;
+#endif
   const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
   vf r = xc - n * splat(0.693359375f);
@@ -102,8 +113,12 @@ inline vf vexp(vf x) {
   y = y * r + splat(1.6666665459e-1f);
   y = y * r + splat(5.0000001201e-1f);
   y = y * (r * r) + r + splat(1.f);
+#if JATTN_SCALEF
+  vf result = _mm512_scalef_ps(y, n);  // y * 2^n
+#else
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf result = y * (vf)bits;  // the bits of 2^n
+#endif
   return x < splat(-87.f) ? splat(0.f) : result;
 }
 
@@ -516,7 +531,7 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
   vf vmax[R];
   for (int r = 0; r < R; ++r) vmax[r] = splat(-kInf);
   for (int64_t c = 0; c < ncols; c += W)
-    for (int r = 0; r < R; ++r) {
+    JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
       vf x = visible(rm[r], c, kseg) ? logits(p, s[r], c, ra[r], brow[r], nk, j0) : splat(-kInf);
       store(s[r] + c, x);
       vmax[r] = vmax[r] > x ? vmax[r] : x;
@@ -530,7 +545,7 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
     sum[r] = vf{};
   }
   for (int64_t c = 0; c < ncols; c += W)
-    for (int r = 0; r < R; ++r) {
+    JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
       vf e = vexp(load(s[r] + c) - mv[r]);
       sum[r] += e;  // the normaliser counts every weight; dropout drops from the values' sum
       store(s[r] + c, rd[r].on ? e * dropout_factor(rd[r], j0 + c) : e);
