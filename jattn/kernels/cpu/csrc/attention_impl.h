@@ -552,7 +552,8 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
     }
   for (int r = 0; r < R; ++r) {
     if (m_new[r] == -kInf) continue;  // m, l and o stay as they are
-    float alpha = m[r] == -kInf ? 0.f : vexp(splat(m[r] - m_new[r]))[0];
+    // exp(0) is exactly 1: a row whose max did not move skips the exp
+    float alpha = m[r] == -kInf ? 0.f : m[r] == m_new[r] ? 1.f : vexp(splat(m[r] - m_new[r]))[0];
     l[r] = l[r] * alpha + hsum(sum[r]);
     if (alpha != 1.f)
       for (int64_t d = 0; d < dv; ++d) o[r][d] *= alpha;
