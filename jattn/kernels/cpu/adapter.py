@@ -18,9 +18,11 @@ its PARTIAL tiles read the ``mask_mod`` that XLA evaluates on those tiles alone,
 ``[n_partial, block_q, block_k]`` found through an int32 tile map, ANDed with a ``mask=``
 array: memory follows the partial tiles, not ``Tq * Tk``). ``n_partial`` must be static:
 counted on the host from a concrete ``BlockMask.state`` (the usual case: one built eagerly
-and closed over); a state traced under ``jax.jit`` (the block mask passed as an argument)
-costs every tile's bits, ``B|1 * H|1 * Tq * Tk`` rounded up to whole tiles, still correct
-(close over it, or build it outside the jitted function, to keep it small). The bias and
+and closed over). A state traced under ``jax.jit`` (the block mask passed as an argument)
+is built again on the host from its ``mask_mod`` when that holds no traced arrays (a
+causal or sliding-window one); else (a document mask over traced ids) its bits cost every
+tile, ``B|1 * H|1 * Tq * Tk`` rounded up to whole tiles: still correct, as large as the
+mask it replaces (close over the block mask to keep it small). The bias and
 mask arrays are passed in their own shapes (broadcast axes read with stride 0, never
 copied to the logits' shape). Tiles the masks hide are skipped (a
 mask array's all-False tiles too); rows that attend nothing give zero output, zero
@@ -46,7 +48,7 @@ from jax import lax
 
 from jattn import _prng, mods
 from jattn._util import expand_rank
-from jattn.block_masks import FULL, PARTIAL
+from jattn.block_masks import FULL, PARTIAL, block_mask
 from jattn.kernels._contract import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
@@ -159,12 +161,28 @@ def _block_tiles(batch, tq: int, tk: int, block_mask, mask_mod):
         return jnp.zeros((1,) * rank, jnp.int32), jnp.zeros((1,) * rank, jnp.bool_)
     state = block_mask.state
     if isinstance(state, jax.core.Tracer):
-        tiles, where = _traced_slots(state)
+        state = _host_state(block_mask, mask_mod, state.shape[:2])
+    if state is None:
+        tiles, where = _traced_slots(block_mask.state)
     else:
         tiles, where = _concrete_slots(np.asarray(state))
     bits = _tile_bits(mask_mod, where, block_mask.block_q, block_mask.block_k, tq, tk)
     lead = batch if tiles.shape[0] != 1 else (1,) * len(batch)
     return tiles.reshape(*lead, *tiles.shape[1:]), bits.reshape(*(1,) * len(batch), *bits.shape)
+
+
+def _host_state(bm, mask_mod, lead: tuple[int, int]) -> np.ndarray | None:
+    """A traced block mask's state built again on the host from ``mask_mod`` (the states
+    it was built from), or None when ``mask_mod`` needs traced values."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask_mod)):
+        return None
+    try:
+        with jax.ensure_compile_time_eval():
+            again = block_mask(mask_mod, q_len=bm.q_len, kv_len=bm.kv_len, batch_shape=lead[0],
+                               num_heads=lead[1], block_q=bm.block_q, block_k=bm.block_k)  # fmt: skip
+            return np.asarray(again.state)
+    except jax.errors.JAXTypeError:
+        return None
 
 
 def _concrete_slots(state: np.ndarray):
