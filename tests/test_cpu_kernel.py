@@ -818,8 +818,10 @@ def _partial_tile_mod(name, ids):
     causal = jattn.mods.causal()
     return {
         "documents": (jattn.mods.document(ids), dict(batch_shape=(2,))),
-        "causal_documents": (jattn.mods.and_masks(causal, jattn.mods.document(ids)),
-                             dict(batch_shape=(2,))),  # fmt: skip
+        "causal_documents": (
+            jattn.mods.and_masks(causal, jattn.mods.document(ids)),
+            dict(batch_shape=(2,)),
+        ),
         "sliding_window": (jattn.mods.sliding_window(37, 11), {}),
         "causal": (causal, {}),
         # per head: head h sees 20 + 30 h keys back
