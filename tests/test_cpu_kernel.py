@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -810,3 +811,161 @@ def test_inside_shard_map_with_keys_replicated_over_the_sharded_heads():
     want = loss("dense", shard=False)(q, k, v)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+def _partial_tile_mod(name, ids):
+    """A mask_mod and the block_mask keywords it needs (batch_shape, num_heads)."""
+    causal = jattn.mods.causal()
+    return {
+        "documents": (jattn.mods.document(ids), dict(batch_shape=(2,))),
+        "causal_documents": (
+            jattn.mods.and_masks(causal, jattn.mods.document(ids)),
+            dict(batch_shape=(2,)),
+        ),
+        "sliding_window": (jattn.mods.sliding_window(37, 11), {}),
+        "causal": (causal, {}),
+        # per head: head h sees 20 + 30 h keys back
+        "per_head": (lambda b, h, q, kv: (kv <= q) & (q - kv < 20 + 30 * h), dict(num_heads=4)),
+    }[name]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "mods_name, block, with_mask",
+    [
+        ("documents", (48, 80), False),  # per-batch states, tiles across the kernel's
+        ("documents", (48, 80), True),  # ANDed with a mask array
+        ("causal_documents", (64, 32), True),
+        ("sliding_window", (48, 80), False),
+        ("causal", (80, 48), False),
+        ("per_head", (48, 80), True),  # a state per head
+        ("per_head", (200, 200), False),  # one tile
+    ],
+    ids=str,
+)
+def test_block_mask_partial_tiles_read_compact_bits(mods_name, block, with_mask):
+    """A block mask's PARTIAL tiles read the mask_mod evaluated on those tiles alone (block
+    sizes that divide neither T nor the kernel's tiles): out, lse, dq, dk, dv against the
+    float64 reference and the dense path; the tile mask holds the partial tiles only."""
+    b, t = 2, 200
+    q, k, v, d_out, d_lse, _, mask = array_inputs((b,), t, t, 4, 2, 16, None, (b, 1, t, t), seed=9)
+    mask = mask if with_mask else None
+    mod, sizes = _partial_tile_mod(mods_name, _documents(b, t, 3))
+    bm = jattn.block_mask(mod, q_len=t, block_q=block[0], block_k=block[1], **sizes)
+    assert (np.asarray(bm.state) == jattn.block_masks.PARTIAL).any()
+    zero_bias = jnp.zeros((1,), jnp.float32)
+
+    def run(impl):
+        return biased_call(q, k, v, zero_bias, mask, d_out, d_lse, impl, block_mask=bm)
+
+    shape = (b, 4, t, t)
+    allowed = np.broadcast_to(np.asarray(jattn.mods.evaluate_mask_mod(mod, shape)), shape)
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    fused = run("cpu_fused")
+    check_biased(fused, np_biased_vjp(q, k, v, zero_bias, allowed, 0.25, d_out, d_lse),
+                 "float32", mods_name)  # fmt: skip
+    dense = run("dense")
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"),
+                               (*fused[:2], *fused[2][:3]), (*dense[:2], *dense[2][:3]),
+                               strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, f"{name} vs dense")
+    tile_mask = _fused_operands(lambda q: jattn.dot_product_attention(
+        q, k, v, mask=mask, block_mask=bm, implementation="cpu_fused"), q)[-1]  # fmt: skip
+    n_partial = int((np.asarray(bm.state) == jattn.block_masks.PARTIAL).sum())
+    assert tile_mask.shape == (1, n_partial, *block), tile_mask.shape
+
+
+def _fused_operands(f, *args):
+    """The operand types of the forward kernel's ffi_call in ``f``'s jaxpr."""
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ffi_call" and "forward" in str(eqn.params):
+                found.append([x.aval for x in eqn.invars])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jax.make_jaxpr(f)(*args).jaxpr)
+    assert len(found) == 1, found
+    return found[0]
+
+
+@needs_kernel
+def test_block_mask_tile_mask_is_small():
+    """A concrete document block mask at T=2048: the kernel's tile mask has
+    n_partial * block_q * block_k bits (not Tq * Tk), and so does the compiled call's memory."""
+    t = 2048
+    ids = jnp.asarray(np.repeat(np.arange(4), [300, 700, 548, 500])[None], jnp.int32)
+    bm = jattn.block_mask(jattn.mods.document(ids), q_len=t, batch_shape=(1,))
+    n_partial = int((np.asarray(bm.state) == jattn.block_masks.PARTIAL).sum())
+    assert 0 < n_partial * 128 * 128 < t * t // 4  # 49 of 256 tiles
+    q = k = v = jnp.zeros((1, t, 2, 16), jnp.float32)
+
+    def f(q, k, v):
+        return jattn.dot_product_attention(q, k, v, block_mask=bm, implementation="cpu_fused")
+
+    operands = _fused_operands(f, q, k, v)
+    assert operands[-1].shape == (1, n_partial, 128, 128) and operands[-1].dtype == jnp.bool_
+    assert all(x.size < t * t // 4 for x in operands if x.dtype == jnp.bool_)
+    memory = jax.jit(f).lower(q, k, v).compile().memory_analysis()
+    if memory is not None:  # a Tq x Tk mask alone would be 4 MiB (the tile mask: 0.8 MiB)
+        assert memory.temp_size_in_bytes < t * t // 2, memory.temp_size_in_bytes
+
+
+@needs_kernel
+@pytest.mark.parametrize("mods_name", ["causal_documents", "sliding_window"])
+def test_block_mask_traced_state(mods_name):
+    """A block mask passed to jax.jit as an argument (its state traced): the same bits as
+    closed over (a sliding window's state built again on the host, a document mask over
+    traced ids with a slot per tile), equal to the dense path; under vmap too."""
+    b, t = 2, 200
+    q, k, v, *_ = array_inputs((b,), t, t, 4, 2, 16, None, None, seed=4)
+    mod, sizes = _partial_tile_mod(mods_name, _documents(b, t, 5))
+    bm = jattn.block_mask(mod, q_len=t, block_q=48, block_k=80, **sizes)
+
+    def loss(q, k, v, bm, impl="cpu_fused"):
+        out = jattn.dot_product_attention(q, k, v, block_mask=bm, implementation=impl)
+        return jnp.sum(out * jnp.cos(out))
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    traced = jax.jit(grad)(q, k, v, bm)
+    closed = jax.jit(lambda q, k, v: grad(q, k, v, bm))(q, k, v)
+    dense = jax.jit(lambda q, k, v: jax.value_and_grad(loss, (0, 1, 2))(q, k, v, bm, "dense"))(
+        q, k, v)  # fmt: skip
+    for x, y, z in zip(jax.tree.leaves(traced), jax.tree.leaves(closed), jax.tree.leaves(dense),
+                       strict=True):  # fmt: skip
+        np.testing.assert_array_equal(x, y)
+        assert_close(x, z, 1e-4, mods_name)
+    n_partial = int((np.asarray(bm.state) == jattn.block_masks.PARTIAL).sum())
+    slots = n_partial if mods_name == "sliding_window" else bm.state.size
+    tile_mask = _fused_operands(lambda q, bm: loss(q, k, v, bm), q, bm)[-1]
+    assert tile_mask.shape == (1, slots, 48, 80), tile_mask.shape
+    if mods_name == "sliding_window":  # one batch row per vmapped example: the same sum
+        per_row = jax.jit(jax.vmap(lambda q, k, v: loss(q[None], k[None], v[None], bm)))
+        assert_close(per_row(q, k, v).sum(), dense[0], 1e-4, "vmap")
+
+
+@needs_kernel
+def test_block_mask_with_dropout_bias_sinks_lengths_and_segments():
+    """A block mask with every other option: out and gradients equal the blockwise path's
+    (the same dropout pattern), lse included."""
+    b, t = 2, 200
+    q, k, v, d_out, d_lse, bias, _ = array_inputs((b,), t, t, 4, 2, 16, (1, 4, 1, t), None,
+                                                  seed=6)  # fmt: skip
+    mod, sizes = _partial_tile_mod("causal_documents", _documents(b, t, 8))
+    bm = jattn.block_mask(mod, q_len=t, block_q=48, block_k=80, **sizes)
+    segments = jnp.asarray(np.arange(t) // 150 * np.ones((b, 1), np.int64), jnp.int32)
+    kwargs = dict(
+        block_mask=bm, dropout_rate=0.2, dropout_rng=jax.random.key(3),
+        sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32),
+        query_seq_lengths=jnp.asarray([200, 170]), key_value_seq_lengths=jnp.asarray([190, 200]),
+        query_segment_ids=segments, key_value_segment_ids=segments,
+    )  # fmt: skip
+    fused = biased_call(q, k, v, bias, None, d_out, d_lse, "cpu_fused", **kwargs)
+    blockwise = biased_call(q, k, v, bias, None, d_out, d_lse, "blockwise", **kwargs)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                               (*fused[:2], *fused[2]), (*blockwise[:2], *blockwise[2]),
+                               strict=True):  # fmt: skip
+        assert_close(got, want, 1e-4, f"{name} vs blockwise")

@@ -22,6 +22,10 @@ from jattn.kernels.cpu import _library
 
 Array = jax.Array
 
+# A block mask's tile map entries other than a PARTIAL tile's slot (csrc/attention.h).
+TILE_EMPTY = -1
+TILE_FULL = -2
+
 # From this many queries on, the forward reads K^T from one transposed copy of the keys
 # (register-blocked tile products); below it, dot products against the keys in place.
 TRANSPOSE_MIN_QUERIES = 16
@@ -44,9 +48,13 @@ class Aux(NamedTuple):
       bias: float32 in its own broadcast shape ``[batch...|1, H|1, Tq|1, Tk|1]`` (q's rank;
         a size-1 axis is broadcast, never copied), added to the logits after the score_mod
         (the dense path's order); all-ones-shaped placeholder without a bias.
-      mask: bool, True = attend, in its broadcast shape like ``bias`` (placeholder without).
-      blocks: int8 ``[batch...|1, H|1, nbq, nbk]``: a block mask's tile states
-        (:mod:`jattn.block_masks`; placeholder without), whose ``mask_mod`` is in ``mask``.
+      mask: bool, True = attend, in its broadcast shape like ``bias`` (placeholder without):
+        the call's ``mask=`` array alone.
+      blocks: int32 ``[batch...|1, H|1, nbq, nbk]``: a block mask's tile map
+        (placeholder without): :data:`TILE_EMPTY`, :data:`TILE_FULL`, or a PARTIAL tile's
+        slot in ``tile_mask``.
+      tile_mask: bool ``[1..., n_partial, bm_q, bm_k]`` (q's rank; placeholder without): the
+        block mask's ``mask_mod`` on its PARTIAL tiles alone, slot by slot.
     """
 
     q_len: Array
@@ -62,6 +70,7 @@ class Aux(NamedTuple):
     bias: Array
     mask: Array
     blocks: Array
+    tile_mask: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +84,7 @@ class Static:
       window_left, window_right: the local window, -1 for no limit on that side.
       has_segments, has_sinks, has_dropout, has_bias, has_mask: whether ``Aux``'s segment
         ids, sinks, dropout, bias and mask operands are real.
-      has_blocks: 0 without a block mask; 1 with one (``mask`` also holds the call's mask
-        array), 2 with one whose ``mask_mod`` is all of ``mask`` (its full tiles skip it).
+      has_blocks: 0 without a block mask, 1 with one (``Aux.blocks`` and ``tile_mask``).
       block_mask_q, block_mask_k: the block mask's tile sizes (0 without).
       block_q, block_k: tile sizes.
       alibi: 0 (none), 1 (``slope * (j - i)``) or 2 (symmetric, ``-slope * |j - i|``).
@@ -218,7 +226,8 @@ def _attention_bwd(static: Static, residuals, cotangents):
     results = call(
         q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
         aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
-        aux.mask, aux.blocks, **static.attributes(backward=True), dbias_mode=np.int64(mode),
+        aux.mask, aux.blocks, aux.tile_mask, **static.attributes(backward=True),
+        dbias_mode=np.int64(mode),
     )  # fmt: skip
     axes = _varying_axes(q, k, v, aux, d_out, lse)
     dq, dk, dv, d_slope_rows, d_bias_rows = _vary(results, axes)

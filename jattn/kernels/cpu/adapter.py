@@ -14,9 +14,17 @@ mask is stored), the log-sum-exp (``return_residual``, differentiable), a ``bias
 own broadcast shape, reduced without atomics), a boolean ``mask=`` array (read per tile in
 its broadcast shape, so KV-cache decoding runs fused) and a :func:`jattn.block_mask`
 (its EMPTY tiles skipped and FULL tiles computed without a mask, whatever its block sizes;
-its PARTIAL tiles read the ``mask_mod`` XLA evaluates into a bool array of the axes it
-varies over). The bias and mask arrays are passed in their own shapes (broadcast axes read
-with stride 0, never copied to the logits' shape). Tiles the masks hide are skipped (a
+its PARTIAL tiles read the ``mask_mod`` that XLA evaluates on those tiles alone, a bool
+``[n_partial, block_q, block_k]`` found through an int32 tile map, ANDed with a ``mask=``
+array: memory follows the partial tiles, not ``Tq * Tk``). ``n_partial`` must be static:
+counted on the host from a concrete ``BlockMask.state`` (the usual case: one built eagerly
+and closed over). A state traced under ``jax.jit`` (the block mask passed as an argument)
+is built again on the host from its ``mask_mod`` when that holds no traced arrays (a
+causal or sliding-window one); else (a document mask over traced ids) its bits cost every
+tile, ``B|1 * H|1 * Tq * Tk`` rounded up to whole tiles: still correct, as large as the
+mask it replaces (close over the block mask to keep it small). The bias and
+mask arrays are passed in their own shapes (broadcast axes read with stride 0, never
+copied to the logits' shape). Tiles the masks hide are skipped (a
 mask array's all-False tiles too); rows that attend nothing give zero output, zero
 gradients and :func:`jattn.large_negative` as their lse, as every jattn path. Up to 16
 queries against 1024 keys or more (decoding) split the keys over the workers (fixed
@@ -33,12 +41,14 @@ from __future__ import annotations
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jattn import _prng, mods
 from jattn._util import expand_rank
+from jattn.block_masks import FULL, PARTIAL, block_mask
 from jattn.kernels._contract import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
@@ -123,6 +133,7 @@ def _aux(q, k, ops, settings) -> _ops.Aux:
 
     sinks = ops.sinks
     sinks = jnp.zeros((*batch, 1), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    blocks, tile_mask = _block_tiles(batch, tq, tk, ops.block_mask, settings.mask_mod)
     return _ops.Aux(
         q_len=lengths(ops.q_lengths, tq),
         kv_len=lengths(ops.kv_lengths, tk),
@@ -131,32 +142,81 @@ def _aux(q, k, ops, settings) -> _ops.Aux:
         sinks=jnp.broadcast_to(sinks, (*batch, h if ops.sinks is not None else 1)),
         slopes=_slopes(batch, h, settings),
         bias=_broadcast_operand(ops.bias, q.ndim, jnp.float32),
-        mask=_broadcast_operand(_mask(q, k, ops, settings), q.ndim, jnp.bool_),
-        blocks=_block_states(batch, ops.block_mask),
+        mask=_broadcast_operand(ops.mask, q.ndim, jnp.bool_),
+        blocks=blocks,
+        tile_mask=tile_mask,
         **_dropout(batch, h, tq, ops, settings),
     )
 
 
-def _mask(q, k, ops, settings):
-    """The mask array the kernel reads: the call's, and a block mask's ``mask_mod``
-    evaluated by XLA (bool ``[batch...|1, H|1, Tq, Tk]``: only the axes it varies over)."""
-    if ops.block_mask is None:
-        return ops.mask
-    shape = (*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
-    from_mod = mods.evaluate_mask_mod(settings.mask_mod, shape)
-    if ops.mask is None:
-        return from_mod
-    return jnp.logical_and(expand_rank(ops.mask, len(shape)), from_mod)
+def _block_tiles(batch, tq: int, tk: int, block_mask, mask_mod):
+    """A block mask's int32 tile map ``[batch...|1, H|1, nbq, nbk]`` and its PARTIAL tiles'
+    bits, bool ``[1..., n_partial, block_q, block_k]`` (:class:`._ops.Aux`), or placeholders.
 
-
-def _block_states(batch, block_mask):
-    """A block mask's int8 tile states ``[B|1, H|1, nbq, nbk]`` with the call's batch dims
-    ``[batch...|1, H|1, nbq, nbk]`` (B is the flattened batch), or a placeholder."""
+    Slots number the PARTIAL tiles of the whole state in row-major order. A concrete state
+    counts them on the host; a traced one (module docstring) reserves a slot for every tile.
+    """
+    rank = len(batch) + 3
     if block_mask is None:
-        return jnp.zeros((1,) * (len(batch) + 3), jnp.int8)
-    state = block_mask.state.astype(jnp.int8)
-    lead = batch if state.shape[0] != 1 else (1,) * len(batch)
-    return state.reshape(*lead, *state.shape[1:])
+        return jnp.zeros((1,) * rank, jnp.int32), jnp.zeros((1,) * rank, jnp.bool_)
+    state = block_mask.state
+    if isinstance(state, jax.core.Tracer):
+        state = _host_state(block_mask, mask_mod, state.shape[:2])
+    if state is None:
+        tiles, where = _traced_slots(block_mask.state)
+    else:
+        tiles, where = _concrete_slots(np.asarray(state))
+    bits = _tile_bits(mask_mod, where, block_mask.block_q, block_mask.block_k, tq, tk)
+    lead = batch if tiles.shape[0] != 1 else (1,) * len(batch)
+    return tiles.reshape(*lead, *tiles.shape[1:]), bits.reshape(*(1,) * len(batch), *bits.shape)
+
+
+def _host_state(bm, mask_mod, lead: tuple[int, int]) -> np.ndarray | None:
+    """A traced block mask's state built again on the host from ``mask_mod`` (the states
+    it was built from), or None when ``mask_mod`` needs traced values."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask_mod)):
+        return None
+    try:
+        with jax.ensure_compile_time_eval():
+            again = block_mask(mask_mod, q_len=bm.q_len, kv_len=bm.kv_len, batch_shape=lead[0],
+                               num_heads=lead[1], block_q=bm.block_q, block_k=bm.block_k)  # fmt: skip
+            return np.asarray(again.state)
+    except jax.errors.JAXTypeError:
+        return None
+
+
+def _concrete_slots(state: np.ndarray):
+    """The tile map of a concrete state and its PARTIAL tiles' ``(b, h, qb, kb)``."""
+    partial = state == PARTIAL
+    slot = np.cumsum(partial.reshape(-1)).reshape(state.shape) - 1
+    tiles = np.where(partial, slot, np.where(state == FULL, _ops.TILE_FULL, _ops.TILE_EMPTY))
+    where = tuple(jnp.asarray(x, jnp.int32) for x in np.nonzero(partial))
+    return jnp.asarray(tiles, jnp.int32), where
+
+
+def _traced_slots(state):
+    """The tile map of a traced state and ``(b, h, qb, kb)`` of a slot per tile (the
+    PARTIAL tiles' first, in order; the rest repeat tile 0 and are never read)."""
+    partial = state == PARTIAL
+    flat = partial.reshape(-1)
+    slot = (jnp.cumsum(flat.astype(jnp.int32)) - 1).reshape(state.shape)
+    other = jnp.where(state == FULL, _ops.TILE_FULL, _ops.TILE_EMPTY)
+    tiles = jnp.where(partial, slot, other).astype(jnp.int32)
+    (index,) = jnp.nonzero(flat, size=flat.size, fill_value=0)
+    return tiles, tuple(x.astype(jnp.int32) for x in jnp.unravel_index(index, state.shape))
+
+
+def _tile_bits(mask_mod, where, bm_q: int, bm_k: int, tq: int, tk: int):
+    """bool ``[n, bm_q, bm_k]``: ``mask_mod`` over tile ``(b, h, qb, kb)`` of each slot of
+    ``where`` (n index vectors), through its ``(b, h, q_idx, kv_idx)`` broadcasting
+    signature; positions past ``tq``, ``tk`` are clamped for the call and False."""
+    b, h, qb, kb = (x.reshape(-1, 1, 1, 1) for x in where)
+    n = b.shape[0]
+    q = qb * bm_q + lax.broadcasted_iota(jnp.int32, (1, 1, bm_q, 1), 2)
+    kv = kb * bm_k + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bm_k), 3)
+    bits = jnp.asarray(mask_mod(b, h, jnp.minimum(q, tq - 1), jnp.minimum(kv, tk - 1)))
+    bits = jnp.broadcast_to(expand_rank(bits, 4), (n, 1, bm_q, bm_k))
+    return (bits & (q < tq) & (kv < tk)).reshape(n, bm_q, bm_k)
 
 
 def _broadcast_operand(x, ndim: int, dtype):
@@ -241,8 +301,8 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         has_dropout=ops.dropout_rng is not None,
         alibi=_alibi(settings.score_mod),
         has_bias=ops.bias is not None,
-        has_mask=ops.mask is not None or ops.block_mask is not None,
-        has_blocks=0 if ops.block_mask is None else 1 if ops.mask is not None else 2,
+        has_mask=ops.mask is not None,
+        has_blocks=int(ops.block_mask is not None),
         block_mask_q=0 if ops.block_mask is None else ops.block_mask.block_q,
         block_mask_k=0 if ops.block_mask is None else ops.block_mask.block_k,
         block_q=BLOCK_Q,

@@ -8,7 +8,8 @@
 //   through per-batch offsets and strides (0 on a broadcast axis).
 // Query i of batch b sees key j iff i < q_len[b], j < kv_len[b], (not causal or j <= i),
 // (wl < 0 or j >= i - wl), (wr < 0 or j <= i + wr), (no segments or q_seg[i] == kv_seg[j])
-// and (no mask or mask[b, h, i, j]). The bias is added to the logits after the soft-cap and
+// (no mask or mask[b, h, i, j]) and (no block mask or its tile's state allows it: FULL, or
+// PARTIAL with the tile mask's bit set). The bias is added to the logits after the soft-cap and
 // ALiBi (jattn.dense's order: scale, score_mod, bias).
 // Dropout keeps weight (i, j) iff top24(mix(mix(j ^ k0[i]) ^ k1[i])) < threshold, with jattn's
 // position-keyed generator (jattn/_prng.py), so the mask is the blockwise and dense paths'.
@@ -18,6 +19,10 @@
 #include <cstdint>
 
 namespace jattn {
+
+// A block mask's tile map entries other than a PARTIAL tile's slot (>= 0).
+constexpr int32_t kTileEmpty = -1;
+constexpr int32_t kTileFull = -2;
 
 struct Params {
   int64_t B, Tq, Tk, H, K, D, Dv;
@@ -35,11 +40,14 @@ struct Params {
   // The bias gradient the backward writes (before XLA sums the broadcast batch/head axes):
   // 0 none, 1 dS itself [B, H, Tq, Tk], 2 its row sums [B, H, Tq], 3 its column sums [B, H, Tk].
   int64_t dbias_mode;
-  // A block mask's tile states int8 [batch..., H|1, nbq, nbk] (0 empty, 1 partial, 2 full)
-  // of [bm_q, bm_k] tiles, its head stride (0: broadcast); with it the mask array holds the
-  // block mask's mask_mod alone (mask_is_blocks) or ANDed with the call's mask.
-  bool has_blocks, mask_is_blocks;
+  // A block mask's tile map int32 [batch...|1, H|1, nbq, nbk] of [bm_q, bm_k] tiles (its
+  // head stride blocks_sh, 0: broadcast): kTileEmpty, kTileFull, or a PARTIAL tile's slot
+  // s >= 0 in the tile mask [batch...|1, n_partial, bm_q, bm_k] (the mask_mod XLA evaluated
+  // on the partial tiles alone; strides tm_sn, tm_si, tm_sj). Its bits are ANDed with the
+  // call's mask array (has_mask), which is read as without a block mask.
+  bool has_blocks;
   int64_t bm_q, bm_k, nbq, nbk, blocks_sh;
+  int64_t tm_sn, tm_si, tm_sj;
   // Split-KV decoding (forward): key splits of split_k keys each, merged in order (0: off).
   int64_t split_k;
 };
@@ -60,8 +68,10 @@ struct Tensors {
   const int64_t* bias_offset = nullptr;  // [B]: where each flattened batch row's bias starts
   const uint8_t* mask = nullptr;          // bool, True = attend
   const int64_t* mask_offset = nullptr;   // [B]
-  const int8_t* blocks = nullptr;         // the block mask's tile states
+  const int32_t* blocks = nullptr;        // the block mask's tile map (Params::has_blocks)
   const int64_t* blocks_offset = nullptr;  // [B]
+  const uint8_t* tile_mask = nullptr;      // its PARTIAL tiles' bits, bool, True = attend
+  const int64_t* tile_mask_offset = nullptr;  // [B]
   // Split-KV partials [B, H, n_splits, Tq] (m, l) and [B, H, n_splits, Tq, Dv] (o).
   float* part_m = nullptr;
   float* part_l = nullptr;

@@ -239,15 +239,16 @@ void gemm_rows_dot(int64_t m, int64_t n, int64_t n_pad, int64_t kc, const float*
 
 enum class TileState { kEmpty, kPartial, kFull };
 
-struct Batch {  // one batch row's lengths, segment ids, dropout rate, bias and mask
+struct Batch {  // one batch row's lengths, segment ids, dropout rate, bias and masks
   int64_t q_len, kv_len;
   const int32_t* q_seg;
   const int32_t* kv_seg;
   uint32_t drop_threshold;
   float drop_scale;
-  const float* bias;    // null: none
-  const uint8_t* mask;  // null: none
-  const int8_t* blocks;  // null: none
+  const float* bias;         // null: none
+  const uint8_t* mask;       // null: none
+  const int32_t* blocks;     // the block mask's tile map (null: none)
+  const uint8_t* tile_mask;  // its PARTIAL tiles' bits
 };
 
 Batch batch(const Params& p, const Tensors& t, int64_t b) {
@@ -261,6 +262,7 @@ Batch batch(const Params& p, const Tensors& t, int64_t b) {
   r.bias = p.has_bias ? t.bias + t.bias_offset[b] : nullptr;
   r.mask = p.has_mask ? t.mask + t.mask_offset[b] : nullptr;
   r.blocks = p.has_blocks ? t.blocks + t.blocks_offset[b] : nullptr;
+  r.tile_mask = p.has_blocks ? t.tile_mask + t.tile_mask_offset[b] : nullptr;
   return r;
 }
 
@@ -281,6 +283,29 @@ inline void row_range(const Params& p, const Batch& bt, int64_t i, int64_t* lo, 
   *hi = h;
 }
 
+// Whether any / all of n bools (bytes 0 or 1, stride sj) are set, into *any and *all.
+inline void scan_bools(const uint8_t* row, int64_t n, int64_t sj, bool* any, bool* all) {
+  int64_t j = 0;
+  if (sj == 1) {  // eight at a time
+    constexpr uint64_t kOnes = 0x0101010101010101ull;
+    for (; j + 8 <= n; j += 8) {
+      uint64_t word;
+      std::memcpy(&word, row + j, 8);
+      *any |= word != 0;
+      *all &= word == kOnes;
+    }
+  }
+  for (; j < n; ++j) {
+    const bool on = row[j * sj] != 0;
+    *any |= on;
+    *all &= on;
+  }
+}
+
+inline TileState verdict(bool any, bool all) {
+  return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
+}
+
 // Whether a mask array hides every position of the tile (kEmpty), none (kFull) or some.
 TileState mask_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t ie,
                           int64_t j0, int64_t je) {
@@ -289,47 +314,81 @@ TileState mask_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i
   const int64_t cols_end = p.mask_sj == 0 ? j0 + 1 : je;
   bool any = false, all = true;
   for (int64_t i = i0; i < rows_end; ++i) {
-    const uint8_t* row = mh + i * p.mask_si + j0 * p.mask_sj;
-    int64_t j = 0, n = cols_end - j0;
-    if (p.mask_sj == 1) {  // eight bools (bytes 0 or 1) at a time
-      constexpr uint64_t kOnes = 0x0101010101010101ull;
-      for (; j + 8 <= n; j += 8) {
-        uint64_t word;
-        std::memcpy(&word, row + j, 8);
-        any |= word != 0;
-        all &= word == kOnes;
-      }
-    }
-    for (; j < n; ++j) {
-      const bool on = row[j * p.mask_sj] != 0;
-      any |= on;
-      all &= on;
-    }
+    scan_bools(mh + i * p.mask_si + j0 * p.mask_sj, cols_end - j0, p.mask_sj, &any, &all);
     if (any && !all) return TileState::kPartial;
   }
-  return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
+  return verdict(any, all);
+}
+
+// Row i's block-mask bits of keys [j0, j0 + n) into dst (1: visible): each block tile's
+// state, a PARTIAL one's row of the tile mask, ANDed with the mask array's row when the
+// call has one. False, dst unwritten, when every block tile the row crosses there is FULL.
+bool block_row_bits(const Params& p, const Batch& bt, int64_t h, int64_t i, int64_t j0,
+                    int64_t n, uint8_t* dst) {
+  const int64_t qb = i / p.bm_q, r = i - qb * p.bm_q, kb0 = j0 / p.bm_k;
+  const int64_t kb1 = (j0 + n - 1) / p.bm_k;
+  const int32_t* tiles = bt.blocks + h * p.blocks_sh + qb * p.nbk;
+  bool all_full = true;
+  for (int64_t kb = kb0; kb <= kb1; ++kb) all_full &= tiles[kb] == kTileFull;
+  if (all_full) return false;
+  for (int64_t kb = kb0, j = j0; kb <= kb1; ++kb) {
+    const int64_t end = std::min(j0 + n, (kb + 1) * p.bm_k);
+    const int32_t slot = tiles[kb];
+    if (slot >= 0)
+      std::memcpy(dst + (j - j0),
+                  bt.tile_mask + slot * p.tm_sn + r * p.tm_si + (j - kb * p.bm_k) * p.tm_sj,
+                  end - j);
+    else
+      std::memset(dst + (j - j0), slot == kTileFull ? 1 : 0, end - j);
+    j = end;
+  }
+  if (bt.mask != nullptr) {
+    const uint8_t* m = bt.mask + h * p.mask_sh + i * p.mask_si + j0 * p.mask_sj;
+    for (int64_t u = 0; u < n; ++u) dst[u] &= m[u * p.mask_sj];
+  }
+  return true;
+}
+
+// The block mask's bits (with the mask array's) on the tile [i0, ie) x [j0, je), row by row
+// into the scratch row bits: empty, full or partial.
+TileState block_bits_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0,
+                                int64_t ie, int64_t j0, int64_t je, uint8_t* bits) {
+  bool any = false, all = true;
+  for (int64_t i = i0; i < ie; ++i) {
+    if (block_row_bits(p, bt, h, i, j0, je - j0, bits))
+      scan_bools(bits, je - j0, 1, &any, &all);
+    else if (bt.mask != nullptr)
+      scan_bools(bt.mask + h * p.mask_sh + i * p.mask_si + j0 * p.mask_sj,
+                 p.mask_sj == 0 ? 1 : je - j0, p.mask_sj, &any, &all);
+    else
+      any = true;
+    if (any && !all) return TileState::kPartial;
+  }
+  return verdict(any, all);
 }
 
 // The block mask's verdict on the kernel tile [i0, ie) x [j0, je): empty if every block it
 // overlaps is, full if every one is (the kernel's tiles need not be the block mask's).
 TileState block_tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t ie,
                            int64_t j0, int64_t je) {
-  const int8_t* states = bt.blocks + h * p.blocks_sh;
+  const int32_t* tiles = bt.blocks + h * p.blocks_sh;
   bool any = false, all = true;
   for (int64_t qb = i0 / p.bm_q; qb <= (ie - 1) / p.bm_q; ++qb)
     for (int64_t kb = j0 / p.bm_k; kb <= (je - 1) / p.bm_k; ++kb) {
-      const int8_t st = states[qb * p.nbk + kb];
-      any |= st != 0;
-      all &= st == 2;
+      const int32_t tile = tiles[qb * p.nbk + kb];
+      any |= tile != kTileEmpty;
+      all &= tile == kTileFull;
     }
-  return !any ? TileState::kEmpty : all ? TileState::kFull : TileState::kPartial;
+  return verdict(any, all);
 }
 
 // lo and hi are nondecreasing in i, so a tile's union and intersection of row ranges come
 // from its first and last rows; segment ids by their ranges (exact for any ids: disjoint
-// ranges share no id, one id on both sides is full); a mask array by reading its tile.
+// ranges share no id, one id on both sides is full); a mask array by reading its tile; a
+// block mask by its tile map, and where that is partial by its bits (built in bits, a row
+// of bk bytes of scratch), ANDed with the mask array's.
 TileState tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, int64_t i1,
-                     int64_t j0, int64_t j1) {
+                     int64_t j0, int64_t j1, uint8_t* bits) {
   int64_t ie = std::min(i1, bt.q_len);
   if (ie <= i0 || j0 >= bt.kv_len) return TileState::kEmpty;
   int64_t lo_first, hi_first, lo_last, hi_last;
@@ -351,24 +410,26 @@ TileState tile_state(const Params& p, const Batch& bt, int64_t h, int64_t i0, in
     if (qmax < kmin || kmax < qmin) return TileState::kEmpty;
     full = full && qmin == qmax && kmin == kmax && qmin == kmin;
   }
-  TileState blocked = TileState::kPartial;
+  const int64_t je = std::min(j1, bt.kv_len);
+  TileState blocked = TileState::kFull;
   if (bt.blocks != nullptr) {
-    blocked = block_tile_state(p, bt, h, i0, ie, j0, std::min(j1, bt.kv_len));
+    blocked = block_tile_state(p, bt, h, i0, ie, j0, je);
     if (blocked == TileState::kEmpty) return TileState::kEmpty;
   }
-  if (bt.mask != nullptr && blocked == TileState::kFull && p.mask_is_blocks) {
-    // The mask array is the block mask's alone: true on the whole tile.
-  } else if (bt.mask != nullptr) {
-    const TileState masked = mask_tile_state(p, bt, h, i0, ie, j0, std::min(j1, bt.kv_len));
-    if (masked == TileState::kEmpty) return TileState::kEmpty;
-    full = full && masked == TileState::kFull;
-  }
+  TileState masked = TileState::kFull;
+  if (blocked == TileState::kPartial)
+    masked = block_bits_tile_state(p, bt, h, i0, ie, j0, je, bits);
+  else if (bt.mask != nullptr)
+    masked = mask_tile_state(p, bt, h, i0, ie, j0, je);
+  if (masked == TileState::kEmpty) return TileState::kEmpty;
+  full = full && masked == TileState::kFull;
   return full ? TileState::kFull : TileState::kPartial;
 }
 
 // Row i's visible columns of the tile starting at key j0 with nk keys: [cl, ch) and, when
 // use_seg is set, only those whose key segment equals seg, and when mrow is set (the mask
-// array's row at j0, key stride msj), only those it lets through.
+// array's row at j0, key stride msj, or the block mask's bits of the row in scratch), only
+// those it lets through.
 struct RowMask {
   int32_t cl, ch;
   bool use_seg;
@@ -377,8 +438,9 @@ struct RowMask {
   int64_t msj;
 };
 
+// A block mask's bits are built in bits (bk bytes of scratch, read before the next row's).
 inline RowMask row_mask(const Params& p, const Batch& bt, TileState state, int64_t h, int64_t i,
-                        int64_t j0, int64_t nk) {
+                        int64_t j0, int64_t nk, uint8_t* bits) {
   if (state == TileState::kFull) return {0, static_cast<int32_t>(nk), false, 0, nullptr, 0};
   if (i >= bt.q_len) return {0, 0, false, 0, nullptr, 0};
   int64_t lo, hi;
@@ -387,8 +449,13 @@ inline RowMask row_mask(const Params& p, const Batch& bt, TileState state, int64
   if (ch < cl) ch = cl;
   const uint8_t* mrow =
       bt.mask == nullptr ? nullptr : bt.mask + h * p.mask_sh + i * p.mask_si + j0 * p.mask_sj;
+  int64_t msj = p.mask_sj;
+  if (bt.blocks != nullptr && block_row_bits(p, bt, h, i, j0, nk, bits)) {
+    mrow = bits;
+    msj = 1;
+  }
   return {static_cast<int32_t>(cl), static_cast<int32_t>(ch), p.has_seg,
-          p.has_seg ? bt.q_seg[i] : 0, mrow, p.mask_sj};
+          p.has_seg ? bt.q_seg[i] : 0, mrow, msj};
 }
 
 // The tile's key segment ids, padded to its column count (read by the vector mask).
@@ -561,11 +628,18 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
   }
 }
 
-int64_t forward_scratch(const Params& p) { return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.bk; }
+// Rows of the online softmax run side by side (softmax_rows), each with its own bits row.
+constexpr int kSoftmaxRows = 4;
+
+int64_t forward_scratch(const Params& p) {
+  // o, m, l, s, the key segment ids and (bytes, in floats) the softmax rows' bits
+  return p.bq * p.Dv + 2 * p.bq + p.bq * p.bk + p.bk + (kSoftmaxRows * p.bk + 3) / 4;
+}
 
 struct ForwardTile {  // one item's running state (o unnormalised, m, l) and tile scratch
   float *o, *m, *l, *s;
   int32_t* kseg;
+  uint8_t* bits;  // kSoftmaxRows rows' block-mask bits (row_mask, tile_state)
 };
 
 ForwardTile forward_tile(const Params& p, float* scratch) {
@@ -575,6 +649,7 @@ ForwardTile forward_tile(const Params& p, float* scratch) {
   w.l = w.m + p.bq;         // [bq]
   w.s = w.l + p.bq;         // [bq, bk]
   w.kseg = reinterpret_cast<int32_t*>(w.s + p.bq * p.bk);  // [bk]
+  w.bits = reinterpret_cast<uint8_t*>(w.kseg + p.bk);     // [kSoftmaxRows, bk] bytes
   return w;
 }
 
@@ -594,7 +669,7 @@ inline void softmax_group(const Params& p, const Tensors& t, const Batch& bt, in
     s[u] = w.s + (r + u) * p.bk;
     o[u] = w.o + (r + u) * p.Dv;
     brow[u] = bias_row(p, bt, h, i, j0);
-    rm[u] = row_mask(p, bt, state, h, i, j0, nk);
+    rm[u] = row_mask(p, bt, state, h, i, j0, nk, w.bits + u * p.bk);
     rd[u] = row_dropout(p, t, bt, b, h, i);
     ra[u] = row_alibi(p, t, b, h, i);
   }
@@ -617,7 +692,7 @@ void forward_blocks(const Params& p, const Tensors& t, int64_t b, int64_t h, int
   const float* kt_head = t.kt == nullptr ? nullptr : t.kt + (b * p.K + kh) * p.D * p.Tkp;
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
-    const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
+    const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk, w.bits);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     const float* vp = t.v + ((b * p.Tk + j0) * p.K + kh) * p.Dv;
@@ -637,7 +712,8 @@ void forward_blocks(const Params& p, const Tensors& t, int64_t b, int64_t h, int
       if (kt_head != nullptr)
         gemm(nr, nc, p.D, qp + r0 * q_rs, q_rs, 1, kt_head + j0, p.Tkp, s, p.bk, false);
       int64_t r = r0;
-      for (; r + 4 <= r0 + nr; r += 4) softmax_group<4>(p, t, bt, b, h, i0, r, state, j0, nk, nc, w);
+      for (; r + kSoftmaxRows <= r0 + nr; r += kSoftmaxRows)
+        softmax_group<kSoftmaxRows>(p, t, bt, b, h, i0, r, state, j0, nk, nc, w);
       for (; r < r0 + nr; ++r) softmax_group<1>(p, t, bt, b, h, i0, r, state, j0, nk, nc, w);
       // P is 0 past column nc, so the product stops there (adding 0 * V changes no bit).
       gemm(nr, p.Dv, std::min(nk, nc), s, p.bk, 1, vp, v_rs, w.o + r0 * p.Dv, p.Dv, true);
@@ -787,6 +863,7 @@ struct BackwardTile {  // the scratch of one (query block, key block) tile
   const float *kt, *vt;  // the key block's K^T [D, Tkp] and V^T [Dv, Tkp], at column j0
   float *s, *dp, *th;
   int32_t* kseg;
+  uint8_t* bits;  // one row's block-mask bits (row_mask, tile_state)
   // Copies with contiguous rows (set_kv_tile, set_q_tile): the key block's K [bk, D], the
   // query block's Q [bq, D] and dO [bq, Dv]. In place their rows are H or K heads apart,
   // a power of two that maps a product's operand panel onto a few L1 sets.
@@ -809,7 +886,7 @@ void backward_tile(const Params& p, const Tensors& t, const Batch& bt, const Bac
     gemm(nr, nc, p.Dv, w.dout + r0 * p.Dv, p.Dv, 1, w.vt, p.Tkp, w.dp + r0 * p.bk, p.bk, false);
     for (int64_t r = r0; r < r0 + nr; ++r) {
       const int64_t i = i0 + r;
-      const RowMask rm = row_mask(p, bt, state, h, i, j0, nk);
+      const RowMask rm = row_mask(p, bt, state, h, i, j0, nk, w.bits);
       float* th = p.softcap != 0.f ? w.th + r * p.bk : nullptr;
       const RowAlibi ra = row_alibi(p, t, b, h, i);
       probabilities_row(p, w.s + r * p.bk, nc, nk, rm, w.kseg, lse[r], th, ra,
@@ -861,12 +938,12 @@ int64_t backward_accumulator_floats(const Params& p) {
 }
 
 int64_t backward_scratch(const Params& p) {
-  return 3 * p.bq * p.bk + p.bk + backward_accumulator_floats(p) + p.bk * p.D +
+  return 3 * p.bq * p.bk + 2 * p.bk + backward_accumulator_floats(p) + p.bk * p.D +
          p.bq * (p.D + p.Dv);
 }
 
 float* backward_accumulators(const Params& p, float* scratch) {
-  return scratch + 3 * p.bq * p.bk + p.bk;
+  return scratch + 3 * p.bq * p.bk + 2 * p.bk;
 }
 
 BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
@@ -876,6 +953,7 @@ BackwardTile backward_scratch_tile(const Params& p, float* scratch) {
   w.dp = w.s + p.bq * p.bk;
   w.th = w.dp + p.bq * p.bk;
   w.kseg = reinterpret_cast<int32_t*>(w.th + p.bq * p.bk);
+  w.bits = reinterpret_cast<uint8_t*>(w.kseg + p.bk);
   w.k = backward_accumulators(p, scratch) + backward_accumulator_floats(p);
   w.q = w.k + p.bk * p.D;
   w.dout = w.q + p.bq * p.D;
@@ -923,7 +1001,7 @@ void backward_kv_item(const Params& p, const Tensors& t, int64_t item, float* sc
     zero_dbias_cols(p, t, b, h, j0, nk);
     for (int64_t qb = 0; qb < nb.nqb; ++qb) {
       const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
-      const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
+      const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk, w.bits);
       if (state == TileState::kEmpty) continue;
       set_q_tile(p, t, &w, b, h, i0, nq);
       backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, false);
@@ -954,7 +1032,7 @@ void backward_q_item(const Params& p, const Tensors& t, int64_t item, float* scr
   set_q_tile(p, t, &w, b, h, i0, nq);
   for (int64_t kb = 0; kb < nb.nkb; ++kb) {
     const int64_t j0 = kb * p.bk, nk = std::min(p.bk, p.Tk - j0);
-    const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
+    const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk, w.bits);
     if (state == TileState::kEmpty) continue;
     const int64_t ncols = (nk + NR - 1) / NR * NR;
     set_kv_tile(p, t, bt, &w, b, kh, j0, nk, ncols);
@@ -993,7 +1071,7 @@ void backward_head_item(const Params& p, const Tensors& t, int64_t item, float* 
     for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
       for (int64_t qb = 0; qb < nb.nqb; ++qb) {
         const int64_t i0 = qb * p.bq, nq = std::min(p.bq, p.Tq - i0);
-        const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk);
+        const TileState state = tile_state(p, bt, h, i0, i0 + nq, j0, j0 + nk, w.bits);
         if (state == TileState::kEmpty) continue;
         set_q_tile(p, t, &w, b, h, i0, nq);
         backward_tile(p, t, bt, w, state, b, h, i0, nq, j0, nk, ncols, true, true);

@@ -213,21 +213,21 @@ ffi::Error make_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
   return ffi::Error::Success();
 }
 
-// The per-batch-row offsets of the bias, mask and block states that the Tensors point into.
+// The per-batch-row offsets of the bias, mask, block tile map and tile mask that the
+// Tensors point into.
 struct Layouts {
-  std::vector<int64_t> bias, mask, blocks;
+  std::vector<int64_t> bias, mask, blocks, tile_mask;
 };
 
-// Points t at the block mask's tile states (has_blocks: 1, or 2 when the mask array is the
-// block mask's mask_mod alone) of [bm_q, bm_k] tiles.
-ffi::Error block_states(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::S8>& blocks,
-                        int64_t has_blocks, int64_t bm_q, int64_t bm_k, Params* p, Tensors* t,
-                        Layouts* lay) {
+// Points t at the block mask's tile map (has_blocks) of [bm_q, bm_k] tiles and at the bits
+// of its PARTIAL tiles, tile_mask [batch...|1, n_partial, bm_q, bm_k].
+ffi::Error block_states(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::S32>& blocks,
+                        ffi::Buffer<ffi::PRED>& tile_mask, int64_t has_blocks, int64_t bm_q,
+                        int64_t bm_k, Params* p, Tensors* t, Layouts* lay) {
   p->has_blocks = has_blocks != 0;
-  p->mask_is_blocks = has_blocks == 2;
   if (!p->has_blocks) return ffi::Error::Success();
-  if (bm_q <= 0 || bm_k <= 0 || !p->has_mask)
-    return ffi::Error::InvalidArgument("jattn cpu attention: block states need their mask");
+  if (bm_q <= 0 || bm_k <= 0)
+    return ffi::Error::InvalidArgument("jattn cpu attention: block mask tiles of size 0");
   p->bm_q = bm_q;
   p->bm_k = bm_k;
   p->nbq = (p->Tq + bm_q - 1) / bm_q;
@@ -239,8 +239,15 @@ ffi::Error block_states(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::S8>& block
   if (err.failure()) return err;
   if ((si != p->nbk && p->nbq != 1) || (sj != 1 && p->nbk != 1))
     return ffi::Error::InvalidArgument("jattn cpu attention: block states of another size");
+  auto td = tile_mask.dimensions();
+  const int64_t tiles[3] = {td.size() == qd.size() ? td[td.size() - 3] : 0, bm_q, bm_k};
+  err = broadcast_layout(qd, td, *p, "block tile mask", &lay->tile_mask, &p->tm_sn,
+                         &p->tm_si, &p->tm_sj, tiles);
+  if (err.failure()) return err;
   t->blocks = blocks.typed_data();
   t->blocks_offset = lay->blocks.data();
+  t->tile_mask = reinterpret_cast<const uint8_t*>(tile_mask.typed_data());
+  t->tile_mask_offset = lay->tile_mask.data();
   return ffi::Error::Success();
 }
 
@@ -277,7 +284,8 @@ struct SharedOperands {
   ffi::Buffer<ffi::U32>&drop_k0, &drop_k1, &drop_threshold;
   ffi::Buffer<ffi::F32>&drop_scale, &slopes, &bias;
   ffi::Buffer<ffi::PRED>& mask;
-  ffi::Buffer<ffi::S8>& blocks;
+  ffi::Buffer<ffi::S32>& blocks;
+  ffi::Buffer<ffi::PRED>& tile_mask;
   int64_t has_bias, has_mask, has_blocks, block_mask_q, block_mask_k;
 };
 
@@ -298,7 +306,7 @@ ffi::Error shared_operands(const SharedOperands& a, Params* p, Tensors* t, Layou
   ffi::Error err =
       bias_and_mask(a.q.dimensions(), a.bias, a.mask, a.has_bias, a.has_mask, p, t, lay);
   if (err.failure()) return err;
-  return block_states(a.q.dimensions(), a.blocks, a.has_blocks, a.block_mask_q,
+  return block_states(a.q.dimensions(), a.blocks, a.tile_mask, a.has_blocks, a.block_mask_q,
                       a.block_mask_k, p, t, lay);
 }
 
@@ -309,7 +317,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                    ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
                    ffi::Buffer<ffi::F32> slopes, ffi::Buffer<ffi::F32> bias,
-                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S8> blocks, float scale,
+                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> blocks,
+                   ffi::Buffer<ffi::PRED> tile_mask, float scale,
                    float softcap, int64_t causal,
                    int64_t window_left, int64_t window_right, int64_t has_seg,
                    int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t has_bias,
@@ -325,8 +334,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   Tensors t;
   Layouts lay;
   err = shared_operands({q, k, v, kt, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
-                         drop_threshold, drop_scale, slopes, bias, mask, blocks, has_bias,
-                         has_mask, has_blocks, block_mask_q, block_mask_k},
+                         drop_threshold, drop_scale, slopes, bias, mask, blocks, tile_mask,
+                         has_bias, has_mask, has_blocks, block_mask_q, block_mask_k},
                         &p, &t, &lay);
   if (err.failure()) return err;
   t.sinks = sinks.typed_data();
@@ -365,7 +374,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
                     ffi::Buffer<ffi::U32> drop_threshold, ffi::Buffer<ffi::F32> drop_scale,
                     ffi::Buffer<ffi::F32> slopes, ffi::Buffer<ffi::F32> bias,
-                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S8> blocks, float scale,
+                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> blocks,
+                    ffi::Buffer<ffi::PRED> tile_mask, float scale,
                     float softcap, int64_t causal,
                     int64_t window_left, int64_t window_right, int64_t has_seg,
                     int64_t has_dropout, int64_t alibi, int64_t has_bias, int64_t has_mask,
@@ -383,8 +393,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   Tensors t;
   Layouts lay;
   err = shared_operands({q, k, v, kt, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
-                         drop_threshold, drop_scale, slopes, bias, mask, blocks, has_bias,
-                         has_mask, has_blocks, block_mask_q, block_mask_k},
+                         drop_threshold, drop_scale, slopes, bias, mask, blocks, tile_mask,
+                         has_bias, has_mask, has_blocks, block_mask_q, block_mask_k},
                         &p, &t, &lay);
   if (err.failure()) return err;
   t.vt = vt.typed_data();
@@ -441,7 +451,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // slopes
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
-                                  .Arg<ffi::Buffer<ffi::S8>>()  // blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // blocks (tile map)
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // tile_mask
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
@@ -484,7 +495,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // slopes
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
-                                  .Arg<ffi::Buffer<ffi::S8>>()  // blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // blocks (tile map)
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // tile_mask
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("causal")
