@@ -61,9 +61,9 @@ const Isa& isa() {
 // This thread's scratch of at least n floats, kept between calls (grown, never shrunk): a
 // fresh buffer per call cost a zero-fill and, past malloc's mmap threshold, page faults and
 // an unmap each time, tens of microseconds, as much as a decoding step's attention. Every
-// kernel writes the scratch it reads before reading it, so old contents never show (checked:
-// built with -DJATTN_POISON_SCRATCH, which fills it with NaNs for every call, the kernel
-// tests pass with each instruction set).
+// kernel writes the scratch it reads before reading it, so old contents never show. To
+// check: `CPPFLAGS=-DJATTN_POISON_SCRATCH python setup.py build_ext --inplace --force`
+// fills it with NaNs for every call; the kernel tests pass so with each instruction set.
 float* worker_scratch(int64_t n) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < n) buffer.assign(n, 0.f);
