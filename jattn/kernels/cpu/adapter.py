@@ -68,10 +68,13 @@ RETURNS_LSE = True
 LSE_HAS_GRADIENT = True
 THREADS_ENV = "JATTN_CPU_THREADS"
 _DTYPES = ("float32", "bfloat16", "float16")
-# Tile sizes: query rows (0: the kernel's choice, 8 micro-kernel rows: 96 with AVX-512,
-# 48 otherwise) and keys (a multiple of every build's micro-kernel width, 32).
+# Tile sizes: query rows (0: the kernel's choice, 16 micro-kernel rows: 192 with AVX-512,
+# 96 otherwise) and keys (a multiple of every build's micro-kernel width, 32). 256 keys:
+# each row's softmax overheads (max and sum trees, the rescale) spread over twice the
+# columns; forward and forward+backward 2-4% faster than 128 at T=1024 and 4096 (CPU
+# time on one core of the AVX-512 EPYC).
 BLOCK_Q = 0
-BLOCK_K = 128
+BLOCK_K = 256
 
 status = _library.status
 
