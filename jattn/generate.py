@@ -14,7 +14,9 @@ Both are model-agnostic. The model comes in as a pure function of its parameters
 * ``decode_fn(params, tokens [B, T], cache, num_new [B]) -> (logits [B, T, V], cache)``
   runs a chunk of ``T`` tokens (the right-padded prompt, then ``T = 1``) with ``num_new[b]``
   real tokens in row ``b``, and returns the logits and the extended cache (any pytree;
-  :class:`jattn.kvcache.KVCache` leaves in it get an eager capacity check);
+  :class:`jattn.kvcache.KVCache` leaves in it get an eager capacity check). The logits
+  may instead be ``[B, 1, V]``, each row's last real position only (all the generators
+  read): a prompt's other positions then skip the output head;
 * ``forward_fn(params, tokens [B, S]) -> logits [B, S, V]``: a plain causal forward pass.
 
 Define these functions once (at module level or once per model): they are static jit
@@ -287,9 +289,11 @@ def stop_at_eos(tokens: Array, eos_ids: Array, pad_id: int) -> tuple[Array, Arra
 
 def _prefill(decode_fn, params, cache, prompt, lengths, key, *, temperature, top_k):
     """The prompt through the model once: ``(first new token [B], cache)``."""
-    # [B, P, V]; row b's next token comes from its last real position.
+    # [B, P, V] (or [B, 1, V]: the last real positions only); row b's next token comes
+    # from its last real position.
     logits, cache = decode_fn(params, prompt, cache, lengths)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    at = lengths - 1 if logits.shape[1] == prompt.shape[1] else jnp.zeros_like(lengths)
+    last = jnp.take_along_axis(logits, at[:, None, None], axis=1)[:, 0]  # [B, V]
     first = sample_next(last, jax.random.fold_in(key, 0), temperature=temperature, top_k=top_k)
     return first, cache
 
@@ -348,7 +352,7 @@ def generate(
 
     Args:
       decode_fn: ``(params, tokens [B, T], cache, num_new [B]) -> (logits [B, T, V], cache)``
-        (see the module docstring); a static argument.
+        (or ``[B, 1, V]`` logits: see the module docstring); a static argument.
       params: the model parameters (any pytree; traced, not baked into the program).
       cache: the model's empty (or partly filled) cache pytree, e.g. a Linen model's
         ``'cache'`` collection; it must hold ``prompt_lengths + max_new_tokens - 1`` more

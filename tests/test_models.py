@@ -257,6 +257,22 @@ def test_ragged_prefill_continues_each_row_after_its_own_tokens(arch):
         np.testing.assert_allclose(step[b, 0], ref[n], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_at_one_position_per_row(arch):
+    """logits_at gives each row's logits at its own position, full pass and decode alike,
+    equal to the full logits there (the output head applied to that position alone)."""
+    model, _ = load(arch)
+    at = np.array([5, 2])
+    full = model(PROMPT)
+    got = model(PROMPT, logits_at=jnp.asarray(at))
+    assert got.shape == (2, 97)
+    np.testing.assert_allclose(got, full[np.arange(2), at], atol=1e-5, rtol=0)
+    lengths = np.array([4, 6])
+    model.init_cache(2, 16)
+    last = model(PROMPT, decode=True, num_new=jnp.asarray(lengths), logits_at=lengths - 1)
+    np.testing.assert_allclose(last, full[np.arange(2), lengths - 1], atol=1e-5, rtol=0)
+
+
 def test_decode_without_a_cache_is_a_clear_error():
     model, _ = load("gpt2")
     with pytest.raises(ValueError, match=r"call model.init_cache"):
@@ -600,6 +616,21 @@ GPT = models.GPTModel(GPT_CFG, rngs=nnx.Rngs(0))
         ),
         (lambda: GPT(np.ones((1, 3))), TypeError, "token_ids must be integer"),
         (lambda: GPT(np.ones((1, 0), int)), ValueError, "num_tokens >= 1"),
+        (
+            lambda: GPT(PROMPT, logits_at=np.array([1.0, 2.0])),
+            TypeError,
+            "logits_at must hold integer",
+        ),
+        (
+            lambda: GPT(PROMPT, logits_at=np.array(1)),
+            ValueError,
+            r"logits_at must be int \[batch...\] = \(2,\)",
+        ),
+        (
+            lambda: GPT(PROMPT, logits_at=np.array([0, 6])),
+            ValueError,
+            r"logits_at must be in \[0, 6\).*from 0 to 6",
+        ),
         (
             lambda: models.generate(GPT, np.array([[1, 200]]), 3),
             ValueError,

@@ -222,7 +222,7 @@ def test_cpu_rule_for_few_queries(monkeypatch):
         assert route_of(monkeypatch, q, k, k) == "cpu_fused"
         names = []
 
-        def loss(x, keys):
+        def loss(x, keys, names=names):
             names.append(route_of(monkeypatch, x, keys, keys))
             return jnp.sum(x)
 

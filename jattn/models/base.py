@@ -137,6 +137,42 @@ class LanguageModel(nnx.Module):
                 )
         return segment_ids, positions
 
+    def logits(self, x: Array, token_ids: Array, logits_at) -> Array:
+        """The output head: ``final_norm`` then ``out_head`` of ``x [batch..., T, emb_dim]``,
+        at every position (``logits_at`` None: ``[batch..., T, vocab_size]``) or at one
+        position per row (int ``[batch...]``: ``[batch..., vocab_size]``, the other
+        positions' head never computed: it is most of a prefill chunk's work on a large
+        vocabulary).
+
+        Raises:
+          TypeError: non-integer ``logits_at``.
+          ValueError: a shape other than ``token_ids``' batch dims ``[batch...]``; (when
+            concrete) positions outside ``[0, T)``.
+        """
+        if logits_at is None:
+            return self.out_head(self.final_norm(x))
+        name, batch, t = type(self).__name__, token_ids.shape[:-1], token_ids.shape[-1]
+        logits_at = jnp.asarray(logits_at)
+        if not jnp.issubdtype(logits_at.dtype, jnp.integer):
+            raise TypeError(
+                f"{name}: logits_at must hold integer positions, got dtype {logits_at.dtype}."
+            )
+        if logits_at.shape != batch:
+            raise ValueError(
+                f"{name}: logits_at must be int [batch...] = {batch} (one position per row of "
+                f"token_ids {token_ids.shape}), got shape {logits_at.shape}."
+            )
+        if not isinstance(logits_at, jax.core.Tracer) and logits_at.size:
+            lo, hi = int(np.min(logits_at)), int(np.max(logits_at))
+            if lo < 0 or hi >= t:
+                raise ValueError(
+                    f"{name}: logits_at must be in [0, {t}) (positions of the {t} tokens), got "
+                    f"values from {lo} to {hi}."
+                )
+        index = logits_at.astype(jnp.int32)[..., None, None]  # [batch..., 1, 1]
+        x = jnp.take_along_axis(x, index, axis=-2)[..., 0, :]  # [batch..., emb_dim]
+        return self.out_head(self.final_norm(x))
+
     def dropout_mode(self, deterministic: bool | None, rngs: RngsArg, rate: float):
         """``(deterministic, rngs)`` for this call.
 

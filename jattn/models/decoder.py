@@ -155,8 +155,9 @@ class RopeDecoder(LanguageModel):
         num_new=None,
         segment_ids=None,
         positions=None,
+        logits_at=None,
     ) -> Array:
-        """Logits of every position.
+        """Logits of every position (or of one per row: ``logits_at``).
 
         Args:
           token_ids: int ``[batch..., T]``, ``T <= context_length``, ids in ``[0, vocab_size)``.
@@ -172,9 +173,13 @@ class RopeDecoder(LanguageModel):
             each row's cache length).
           num_new: decode mode only: int ``[batch...]``, real tokens of each row (the rest is
             right padding); default all ``T``.
+          logits_at: int ``[batch...]``: compute the logits at this position of each row
+            only (e.g. its last real token, ``num_new - 1``, when prefilling); default every
+            position.
 
         Returns:
-          ``[batch..., T, vocab_size]`` in the config's dtype.
+          ``[batch..., T, vocab_size]`` in the config's dtype; with ``logits_at``,
+          ``[batch..., vocab_size]``.
         """
         del deterministic, rngs  # no dropout in Llama 3 / Qwen3
         token_ids = self.check_token_ids(token_ids)
@@ -187,5 +192,5 @@ class RopeDecoder(LanguageModel):
             x = block(
                 x, decode=decode, num_new=num_new, segment_ids=segment_ids, positions=positions
             )
-        # [batch..., T, vocab_size]
-        return self.out_head(self.final_norm(x))
+        # [batch..., T, vocab_size], or [batch..., vocab_size] at logits_at
+        return self.logits(x, token_ids, logits_at)

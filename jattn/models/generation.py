@@ -42,15 +42,20 @@ class NNXDecodeFn:
     """``decode_fn(state, tokens, cache, num_new) -> (logits, cache)`` of a jattn model.
 
     ``state`` is everything but the ``nnx.Cache`` variables, ``cache`` those; see
-    :func:`jattn.generate.generate`.
+    :func:`jattn.generate.generate`. With ``last_only`` the logits are each row's last real
+    token's, ``[B, 1, V]`` (the model's ``logits_at=num_new - 1``), else ``[B, T, V]``.
     """
 
     graphdef: Any
+    # True: the logits of each row's last real token only, [B, 1, V] (the output head skips
+    # a prompt's other positions); False: every position's, [B, T, V].
+    last_only: bool = False
 
     def __call__(self, state, tokens, cache, num_new):
         model = nnx.merge(self.graphdef, cache, state)
-        logits = model(tokens, deterministic=True, decode=True, num_new=num_new)
-        return logits, nnx.state(model, nnx.Cache)
+        at = jnp.maximum(num_new - 1, 0) if self.last_only else None
+        logits = model(tokens, deterministic=True, decode=True, num_new=num_new, logits_at=at)
+        return (logits if at is None else logits[:, None]), nnx.state(model, nnx.Cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +209,7 @@ def _decoder(model: LanguageModel, batch: int, capacity: int, window):
     else:
         decoder.init_cache(batch, window, rolling=True)
     graphdef, cache, state = nnx.split(decoder, nnx.Cache, ...)
-    return NNXDecodeFn(graphdef), state, cache
+    return NNXDecodeFn(graphdef, last_only=True), state, cache
 
 
 def generate_stream(

@@ -147,8 +147,9 @@ class GPTModel(LanguageModel):
         num_new=None,
         segment_ids=None,
         positions=None,
+        logits_at=None,
     ) -> Array:
-        """Logits of every position.
+        """Logits of every position (or of one per row: ``logits_at``).
 
         Args:
           token_ids: int ``[batch..., T]``, ``T <= context_length``, ids in ``[0, vocab_size)``.
@@ -166,9 +167,12 @@ class GPTModel(LanguageModel):
             each row after what the cache holds (positions ``lengths[b] + t``).
           num_new: decode mode only: int ``[batch...]``, real tokens of each row (the rest
             is right padding, never written to the cache); default all ``T``.
+          logits_at: int ``[batch...]``: compute the logits at this position of each row
+            only (e.g. its last real token, ``num_new - 1``, when prefilling); default every
+            position.
 
         Returns:
-          float ``[batch..., T, vocab_size]``.
+          float ``[batch..., T, vocab_size]``; with ``logits_at``, ``[batch..., vocab_size]``.
         """
         token_ids = self.check_token_ids(token_ids)
         deterministic, rngs = self.dropout_mode(deterministic, rngs, self.cfg.drop_rate)
@@ -187,5 +191,5 @@ class GPTModel(LanguageModel):
                 num_new=num_new,
                 segment_ids=segment_ids,
             )
-        # [batch..., T, vocab_size]
-        return self.out_head(self.final_norm(x))
+        # [batch..., T, vocab_size], or [batch..., vocab_size] at logits_at
+        return self.logits(x, token_ids, logits_at)
