@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, functional, kvcache
+from jattn.kernels import cpu as cpu_kernels
 
 __all__ = [
     "PagedKVCache",
@@ -69,6 +70,7 @@ __all__ = [
     "block_list",
     "block_size",
     "capacity",
+    "fused",
     "gather",
     "init_paged_cache",
     "page_size",
@@ -447,6 +449,9 @@ def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, *
     cache = _check_cache(cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
     updated = _append(cache, key, value, num_new)
+    if _plain(attend_kwargs) and fused(cache, query, attend_kwargs):
+        query = _check_query(query, key)
+        return _attend_fused(updated, query, cache.lengths, num_new, attend_kwargs), updated
     if cache.blocks is not None and _plain(attend_kwargs):
         query = _check_query(query, key)
         return _attend_blocks(updated, query, cache.lengths, num_new, attend_kwargs), updated
@@ -471,6 +476,48 @@ def _plain(kwargs: dict) -> bool:
         return False  # the page-table path names the error
     rest = (v for k, v in kwargs.items() if k not in _BLOCK_PASSED and k not in _DROPOUT)
     return dropout_off and all(v is None or v is False for v in rest)
+
+
+_FUSED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
+    """Whether :func:`update_and_attend` attends through the fused CPU paged kernel
+    (:func:`jattn.kernels.cpu.paged_attention`): on a CPU host with the kernel built, for a
+    plain causal or full call (the keywords ``is_causal``, a Python ``scale``, ``dtype`` and
+    ``implementation`` None or ``'cpu_fused'``), float32, bfloat16, float16 or int8 pages
+    and queries of the first three. ``query``/``attend_kwargs`` None: the cache alone."""
+    kwargs = {} if attend_kwargs is None else attend_kwargs
+    if not _plain(kwargs) or kwargs.get("implementation") not in (None, "cpu_fused"):
+        return False
+    scale, dtype = kwargs.get("scale"), kwargs.get("dtype")
+    if kwargs.get("precision") is not None or not (
+        scale is None or isinstance(scale, (numbers.Real, np.number)) and not isinstance(scale, bool)
+    ):
+        return False
+    dtypes = [cache.k_pages.dtype] + ([] if query is None else [jnp.asarray(query).dtype])
+    dtypes += [] if dtype is None else [dtype]
+    if cache.k_pages.dtype == jnp.int8:
+        dtypes = dtypes[1:]
+    if any(jnp.dtype(d).name not in _FUSED_DTYPES for d in dtypes):
+        return False
+    return jax.default_backend() == "cpu" and cpu_kernels.available()
+
+
+def _attend_fused(cache: PagedKVCache, query: Array, starts: Array, num_new: Array, kwargs):
+    """Attention through the fused CPU paged kernel (reads the pages in place), in the
+    computation dtype :func:`jattn.kvcache.attend` gives: ``dtype``, or the promoted one."""
+    width = cache.page_table.shape[-1]
+    rows = int(np.prod(cache.lengths.shape, dtype=np.int64))
+    kv = [jnp.float32 if x.dtype == jnp.int8 else x.dtype for x in (cache.k_pages, cache.v_pages)]
+    dtype = kwargs.get("dtype") or jnp.result_type(query.dtype, *kv)
+    out = cpu_kernels.paged_attention(
+        query.reshape(rows, *query.shape[-3:]), cache.k_pages, cache.v_pages,
+        cache.page_table.reshape(rows, width), starts.reshape(rows), num_new.reshape(rows),
+        cache.lengths.reshape(rows), is_causal=kwargs.get("is_causal", True),
+        scale=kwargs.get("scale"), k_scales=cache.k_scales, v_scales=cache.v_scales,
+    )  # fmt: skip
+    return out.reshape(*query.shape[:-1], out.shape[-1]).astype(dtype)
 
 
 def _attend_blocks(cache: PagedKVCache, query: Array, starts: Array, num_new: Array, kwargs):

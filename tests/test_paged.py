@@ -163,7 +163,9 @@ def test_block_list_covers_each_row_in_order_and_pads():
 @pytest.mark.parametrize("modified", [False, True])
 def test_block_work_list_attends_like_the_contiguous_cache(modified):
     """Prefill and decode over a (row, block) work list, with padding entries, rows of
-    several blocks, a row with no tokens; with modifiers the page-table path serves it."""
+    several blocks, a row with no tokens; with modifiers the page-table path serves it.
+    (implementation='xla': the fused CPU paged kernel, which reads the page table itself,
+    would serve a plain call.)"""
     page, width = 32, 12  # blocks of 128 positions: up to 3 per row
     rng = np.random.default_rng(5)
     q, k, v = qkv(rng, 300)
@@ -172,6 +174,7 @@ def test_block_work_list_attends_like_the_contiguous_cache(modified):
     )
     cc = kv.init_cache(B, width * page, K, D)
     opts = dict(local_window_size=(150, 0), sinks=jnp.ones((H,))) if modified else {}
+    opts["implementation"] = "xla"
     for lo, hi, n in ((0, 290, [290, 0, 140]), (290, 291, [1, 1, 1]), (291, 292, [1, 0, 1])):
         n = jnp.asarray(n)
         blocks = paged.block_list(np.asarray(pc.lengths + n), page, num_blocks=9)
@@ -185,8 +188,8 @@ def test_block_work_list_attends_like_the_contiguous_cache(modified):
     if not modified:  # the list is what is attended: a row left out attends nothing
         step = [x[:, 292:293] for x in (q, k, v)]
         blocks = paged.block_list(np.asarray(pc.lengths + 1) * np.array([1, 1, 0]), page)
-        po, _ = paged.update_and_attend(pc._replace(blocks=jnp.asarray(blocks)), *step)
-        co, _ = kv.update_and_attend(cc, *step)
+        po, _ = paged.update_and_attend(pc._replace(blocks=jnp.asarray(blocks)), *step, **opts)
+        co, _ = kv.update_and_attend(cc, *step, **opts)
         np.testing.assert_allclose(po[:2], co[:2], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(po[2], 0.0)
 

@@ -236,6 +236,23 @@ def _pool(cache: paged.PagedKVCache) -> tuple[Array, ...]:
     return cache.k_pages, cache.v_pages, cache.k_scales, cache.v_scales
 
 
+def _cache(pool: tuple[Array, ...]) -> paged.PagedKVCache:
+    """A layer's pool as a (tableless) paged cache, to ask :func:`jattn.paged.fused`."""
+    k_pages, v_pages, *scales = pool
+    return paged.PagedKVCache(
+        k_pages, v_pages, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), *scales
+    )
+
+
+def _attend_options(att) -> dict:
+    """The attention keywords of a layer's cached call that :func:`jattn.paged.fused` reads."""
+    return dict(
+        implementation=getattr(att, "attention_implementation", None),
+        dtype=getattr(att, "dtype", None),
+        precision=getattr(att, "precision", None),
+    )
+
+
 # ----------------------------------------------------------------------------------------
 # The host side: slots, pages, requests
 # ----------------------------------------------------------------------------------------
@@ -325,6 +342,12 @@ class _Server:
             )
             for block in decoder.trf_blocks
         ]  # fmt: skip
+        # decoding steps through the fused CPU paged kernel read the pages in place, at a
+        # cost that follows the tokens held: no work list (host work, a larger program)
+        self.fused = all(
+            paged.fused(_cache(pool), None, _attend_options(block.att))
+            for pool, block in zip(self.pools, decoder.trf_blocks, strict=True)
+        )
         self.decode_steps = self.prefill_chunks = self.shared = 0
         self.held: list[int] = []
         self.programs: set[tuple[int, int, int]] = set()
@@ -403,7 +426,10 @@ class _Server:
         """One step on ``rows``; ``blocked``: over the key blocks the rows hold (a
         decoding step), else over the narrowest page table that holds the longest row."""
         after = self.lengths[rows] + num_new  # rows with num_new 0 read nothing they use
-        if blocked:
+        if blocked and self.fused:  # the kernel reads each row's pages up to its length
+            width = shape = self.max_pages
+            blocks = None
+        elif blocked:
             attended = np.where(num_new > 0, after, 0)
             blocks = paged.block_list(attended, self.pages.size, self.block_counts)
             width, shape = self.max_pages, len(blocks)
