@@ -491,9 +491,10 @@ def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
     if not _plain(kwargs) or kwargs.get("implementation") not in (None, "cpu_fused"):
         return False
     scale, dtype = kwargs.get("scale"), kwargs.get("dtype")
-    if kwargs.get("precision") is not None or not (
-        scale is None or isinstance(scale, (numbers.Real, np.number)) and not isinstance(scale, bool)
-    ):
+    static_scale = scale is None or (
+        isinstance(scale, (numbers.Real, np.number)) and not isinstance(scale, bool)
+    )
+    if kwargs.get("precision") is not None or not static_scale:
         return False
     dtypes = [cache.k_pages.dtype] + ([] if query is None else [jnp.asarray(query).dtype])
     dtypes += [] if dtype is None else [dtype]

@@ -5,6 +5,8 @@ Page tables are deliberately shuffled (a row's pages are scattered over the pool
 interleave), so a test passes only if every position goes through its own table entry.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,8 @@ from flax import nnx
 from jattn import kvcache as kv
 from jattn import mods, paged
 from jattn import nnx as jnnx
+from jattn.kernels import cpu as cpu_kernels
+from jattn.kernels.cpu import adapter as cpu_adapter
 from jattn.rope import RoPE
 from tests.reference import np_attention
 
@@ -254,3 +258,165 @@ def test_int8_pages_round_trip_within_half_a_step_and_attend_close_to_float():
             assert np.all(np.abs(np.asarray(got) - x) <= step / 2 + 1e-6)
     err = np.abs(np.asarray(qo) - np.asarray(fo)).max() / np.abs(np.asarray(fo)).max()
     assert 0 < err < 0.02, err  # int8 changes the output, by under 2% of its range
+
+
+# ----------------------------------------------------------------------------------------
+# The fused CPU paged kernel (jattn.kernels.cpu.paged_attention), which update_and_attend
+# takes for plain calls: it reads the pages in place through the page table.
+# ----------------------------------------------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available() or jax.default_backend() != "cpu",
+    reason="the fused CPU kernel is not built",
+)
+
+
+def filled_cache(rng, starts, num_new, *, page, chunk, heads=(4, 2), dim=16, int8=False):
+    """A paged cache holding ``starts`` random tokens per row on shuffled pages; pages are
+    allocated up to ``starts + num_new`` and the rest of each table is unallocated
+    (``num_pages``, or -1 on row 0). Returns the cache and a chunk ``(q, k, v)``."""
+    rows, (h, kh) = len(starts), heads
+    need = [paged.pages_needed(s + n, page) for s, n in zip(starts, num_new, strict=True)]
+    width = max(max(need), 1) + 1
+    pool = sum(need) + 2
+    cache = paged.init_paged_cache(rows, pool, page, width, kh, dim, quantized=int8)
+    table = np.full((rows, width), pool, np.int32)
+    table[0] = -1
+    ids = iter(rng.permutation(pool))
+    for r, n in enumerate(need):
+        table[r, :n] = [next(ids) for _ in range(n)]
+    cache = cache._replace(page_table=jnp.asarray(table))
+    longest = max(max(starts), 1)
+
+    def normal(t, heads):
+        return jnp.asarray(rng.normal(size=(rows, t, heads, dim)), jnp.float32)
+
+    cache = paged.append(
+        cache, normal(longest, kh), normal(longest, kh), num_new=jnp.asarray(starts)
+    )
+    return cache, (normal(chunk, h), normal(chunk, kh), normal(chunk, kh))
+
+
+def np_paged_reference(cache_after, q, starts, num_new, causal):
+    """float64: each row's real queries over its written keys (read back dequantized)."""
+    full = paged.gather(cache_after)
+    keys, values = (np.asarray(x, np.float64) for x in (full.keys, full.values))
+    q = np.asarray(q, np.float64)
+    rows, t, h, d = q.shape
+    group = h // keys.shape[-2]
+    out = np.zeros((rows, t, h, values.shape[-1]))
+    for r in range(rows):
+        length = int(cache_after.lengths[r])
+        for i in range(int(num_new[r])):
+            seen = min(length, starts[r] + i + 1) if causal else length
+            for j in range(h):
+                logits = keys[r, :seen, j // group] @ q[r, i, j] * d**-0.5
+                w = np.exp(logits - logits.max())
+                out[r, i, j] = w @ values[r, :seen, j // group] / w.sum()
+    return out
+
+
+jit_fused = jax.jit(paged.update_and_attend, static_argnames=("is_causal", "implementation"))
+
+FUSED_CASES = [  # (page, chunk, causal, int8, starts, num_new)
+    (16, 1, True, False, [0, 37, 5, 100], [0, 1, 1, 1]),  # decode; a row of length 0
+    (1, 1, True, False, [3, 20, 0], [1, 1, 1]),  # page size 1
+    (16, 5, True, False, [0, 40, 7], [5, 3, 0]),  # prefill chunk with padding queries
+    (16, 5, False, False, [9, 0, 33], [2, 5, 4]),  # not causal
+    (16, 64, True, False, [0, 70], [64, 30]),  # a longer chunk
+    (16, 5, True, True, [0, 40, 18], [5, 2, 1]),  # int8 pages
+    (16, 1, True, False, [1100, 30], [1, 1]),  # a row over three key splits (512 each)
+    (16, 5, False, True, [1300, 2], [4, 5]),  # splits, GQA chunk, int8, not causal
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+def test_fused_paged_kernel_equals_numpy_and_the_xla_path(case):
+    page, chunk, causal, int8, starts, num_new = case
+    rng = np.random.default_rng(len(starts) * 100 + chunk)
+    cache, (q, k, v) = filled_cache(rng, starts, num_new, page=page, chunk=chunk, int8=int8)
+    assert paged.fused(cache, q, {})
+    n = jnp.asarray(num_new)
+    out, after = jit_fused(cache, q, k, v, num_new=n, is_causal=causal)
+    xla, _ = jit_fused(cache, q, k, v, num_new=n, is_causal=causal, implementation="xla")
+    want = np_paged_reference(after, q, starts, num_new, causal)
+    assert out.dtype == xla.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out, xla, rtol=2e-5, atol=2e-5)
+    for r, m in enumerate(num_new):  # padding queries (and rows of length 0) give zeros
+        np.testing.assert_array_equal(out[r, m:], 0.0)
+
+
+@needs_kernel
+def test_fused_paged_kernel_direct_call_and_a_work_list():
+    """The public op against the XLA formulation (unallocated entries as -1 too), and
+    update_and_attend with a work list takes the fused kernel with the same result."""
+    rng = np.random.default_rng(3)
+    starts, num_new = [50, 0, 200], [1, 1, 0]
+    cache, (q, k, v) = filled_cache(rng, starts, num_new, page=16, chunk=1)
+    blocks = paged.block_list(np.asarray(starts) + num_new, 16, num_blocks=8)
+    a, _ = jit_fused(
+        cache._replace(blocks=jnp.asarray(blocks)), q, k, v, num_new=jnp.asarray(num_new)
+    )
+    b, after = jit_fused(cache, q, k, v, num_new=jnp.asarray(num_new))
+    np.testing.assert_array_equal(a, b)
+    args = (after.k_pages, after.v_pages, after.page_table, jnp.asarray(starts),
+            jnp.asarray(num_new), after.lengths)  # fmt: skip
+    got = jax.jit(cpu_kernels.paged_attention)(q, *args)
+    np.testing.assert_array_equal(got, b)
+
+
+@needs_kernel
+def test_fused_paged_kernel_in_half_precision_gives_the_xla_paths_dtype():
+    rng = np.random.default_rng(4)
+    cache, chunk = filled_cache(rng, [30, 3], [1, 1], page=16, chunk=1)
+    cache = cache._replace(k_pages=cache.k_pages.astype(jnp.bfloat16),
+                           v_pages=cache.v_pages.astype(jnp.bfloat16))  # fmt: skip
+    q, k, v = (x.astype(jnp.bfloat16) for x in chunk)
+    out, _ = jit_fused(cache, q, k, v)
+    xla, _ = jit_fused(cache, q, k, v, implementation="xla")
+    assert out.dtype == xla.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(np.float32), xla.astype(np.float32), atol=2e-2)
+
+
+@needs_kernel
+def test_fused_paged_kernel_is_bit_identical_with_one_and_two_threads(monkeypatch):
+    rng = np.random.default_rng(6)
+    cache, (q, k, v) = filled_cache(rng, [1100, 40, 600], [1, 5, 3], page=16, chunk=5)
+
+    def run():  # a fresh trace: the thread cap is read when the call is traced
+        return jax.jit(lambda *a: paged.update_and_attend(*a)[0])(cache, q, k, v)
+
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
+        results.append(np.asarray(run()))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_paged_gradient_equals_the_xla_paths(int8):
+    rng = np.random.default_rng(7)
+    cache, chunk = filled_cache(rng, [20, 0, 9], [3, 2, 0], page=4, chunk=3, int8=int8)
+    weights = jnp.asarray(rng.normal(size=(3, 3, 4, 16)), jnp.float32)
+
+    def loss(chunk, **kwargs):
+        out, _ = paged.update_and_attend(cache, *chunk, num_new=jnp.asarray([3, 2, 0]), **kwargs)
+        return jnp.sum(out * weights)
+
+    fused = jax.jit(jax.grad(loss))(chunk)
+    xla = jax.jit(jax.grad(functools.partial(loss, implementation="xla")))(chunk)
+    for a, b in zip(fused, xla, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_paged_kernel_lowers_for_cuda_without_the_cpu_target():
+    rng = np.random.default_rng(8)
+    cache, chunk = filled_cache(rng, [20, 3], [1, 1], page=16, chunk=1)
+    f = jax.jit(lambda c, *x: paged.update_and_attend(c, *x)[0])
+    traced = f.trace(cache, *chunk)
+    assert "jattn_cpu_paged_attention" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "jattn_cpu" not in traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -99,8 +99,10 @@ def _check_arrays(query, k_pages, v_pages, k_scales, v_scales):
     if jnp.dtype(query.dtype).name not in _FLOATS:
         raise TypeError(f"query must be float32, bfloat16 or float16, got {query.dtype}.")
     int8 = k_pages.dtype == jnp.int8
-    if int8 != (v_pages.dtype == jnp.int8) or int8 != (k_scales is not None) or (
-        (k_scales is None) != (v_scales is None)
+    if (
+        int8 != (v_pages.dtype == jnp.int8)
+        or int8 != (k_scales is not None)
+        or ((k_scales is None) != (v_scales is None))
     ):
         raise ValueError("int8 pools come with k_scales and v_scales; float pools without.")
     if int8:
@@ -116,7 +118,9 @@ def _check_arrays(query, k_pages, v_pages, k_scales, v_scales):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _paged(q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths, causal, scale):
+def _paged(
+    q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths, causal, scale
+):
     operands = (q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths)
     xla = functools.partial(_xla, causal=causal, scale=scale)
     if _library.library() is None:
