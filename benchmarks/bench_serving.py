@@ -246,6 +246,13 @@ def _contiguous_step(graphdef, state, caches, tokens):
     return logits[:, -1].argmax(-1), [b.att.cache.get_value() for b in model.trf_blocks]
 
 
+def _from_leaves(step, graphdef, treedef, leaves, *args):
+    """``step(graphdef, state, *args)`` with the state passed as its flat leaves, as
+    ``generate_many`` passes it (flattening an ``nnx.State`` on every call costs about
+    0.2 ms, as much as a small step's attention)."""
+    return step(graphdef, jax.tree.unflatten(treedef, leaves), *args)
+
+
 def _interleaved_medians(steps: dict, repeats: int) -> dict:
     """Median seconds of each ``state = step(state)`` in ``steps`` ({name: (step, state)}),
     the candidates called in turn every round so that background load hits them alike."""
@@ -272,16 +279,20 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     whole capacity whatever is filled), and one attention layer alone
     (``jattn.paged.update_and_attend`` over the page table, the model's head layout). The
     lengths stay put between calls (each call rewrites the same position), so every call
-    costs the same. The model's structure is bound once (``partial``), as ``generate_many``
-    binds it: a static ``GraphDef`` argument would be hashed on every call.
+    costs the same. The model's structure is bound once (``partial``) and its state passed
+    as flat leaves, as ``generate_many`` does: a static ``GraphDef`` argument would be
+    hashed on every call, and an ``nnx.State`` flattened.
     """
     graphdef, state = nnx.split(model)
+    state, treedef = jax.tree.flatten(state)
     att = model.trf_blocks[0].att
     max_pages = paged.pages_needed(capacity, page_size)
     tokens = jnp.zeros((slots, 1), jnp.int32)
     full_table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)
-    paged_fn = jax.jit(partial(_paged_step, graphdef), donate_argnums=1)
-    contiguous_fn = jax.jit(partial(_contiguous_step, graphdef), donate_argnums=1)
+    paged_fn = jax.jit(partial(_from_leaves, _paged_step, graphdef, treedef), donate_argnums=1)
+    contiguous_fn = jax.jit(
+        partial(_from_leaves, _contiguous_step, graphdef, treedef), donate_argnums=1
+    )
     layer_fn = jax.jit(paged.update_and_attend, donate_argnums=0)
     rng = np.random.default_rng(2)
     q, kv = (
