@@ -13,7 +13,8 @@ held; two sequences with one prompt can point at the same pages (prefix sharing)
 * :func:`init_paged_cache` makes an empty one; :func:`append` writes a chunk at each row's
   end; :func:`gather` reads the pages back as a contiguous :class:`jattn.kvcache.KVCache`;
   :func:`update_and_attend` appends and attends, and is what the attention modules call
-  when their cache is a paged one (:func:`jattn.kvcache.update_and_attend` dispatches here).
+  when their cache is a paged one (:func:`jattn.kvcache.update_and_attend` dispatches here);
+  :func:`fused` says whether a call runs the fused CPU paged kernel.
 
 **Who owns the pages.** The arrays are pure data: which page a row gets is decided by the
 caller (the host), which writes page ids into ``page_table`` before a step. An entry
@@ -22,23 +23,35 @@ would land there is not written, and reading it gives zeros. Rows that share a p
 not write to it (share only full pages). :func:`jattn.models.generate_many` is the
 allocator: a free list, reference counts for shared prefixes, a slot per request.
 
-**Cost follows the tokens held.** A step attends over the ``page_table``'s width in pages,
-not over the pool: the caller passes ``page_table[:, :n]`` with ``n`` pages enough for the
-longest row (a few widths, e.g. powers of two, so that a jitted step compiles a bounded
-number of times), and the step gathers and attends ``n * page_size`` keys per row.
-With rows of very different lengths that still makes every row pay for the longest: a
-work list (``cache.blocks``, from :func:`block_list`) of ``(row, block)`` pairs makes the
-step gather and attend only the blocks of :func:`block_size` positions each row holds,
-one batch entry per block, and merge a row's blocks by their log-sum-exps (split-KV, as
-flash-decoding); its cost follows the blocks listed. Calls with a mask, modifiers, sinks,
-a window, dropout or weights take the page-table path instead.
+**Cost follows the tokens held.** On CPU, with jattn's fused kernel built, a plain call
+(causal or full attention; ``scale``, ``dtype``, ``implementation`` None or
+``'cpu_fused'``; float32, bfloat16, float16 or int8 pages) attends through
+:func:`jattn.kernels.cpu.paged_attention`, which reads each row's pages in place through
+its page table (no gathered copy) and only up to the row's length: its cost follows the
+tokens held, whatever the table's width or a ``blocks`` work list (ignored then);
+:func:`fused` says whether a call takes it. Otherwise (another platform,
+``implementation='xla'`` and the others, no kernel) a step attends over the
+``page_table``'s width in pages, not over the pool: the caller passes
+``page_table[:, :n]`` with ``n`` pages enough for the longest row (a few widths, e.g.
+powers of two, so that a jitted step compiles a bounded number of times), and the step
+gathers and attends ``n * page_size`` keys per row. With rows of very different lengths
+that still makes every row pay for the longest: a work list (``cache.blocks``, from
+:func:`block_list`) of ``(row, block)`` pairs makes the step gather and attend only the
+blocks of :func:`block_size` positions each row holds, one batch entry per block, and
+merge a row's blocks by their log-sum-exps (split-KV, as flash-decoding); its cost follows
+the blocks listed. Calls with a mask, modifiers, sinks, a window, dropout or weights take
+the page-table path instead.
 
-**Attention** over the gathered pages is :func:`jattn.kvcache.attend` on a contiguous
-cache whose slot ``j`` holds position ``j``: the same mask (causal per row, written keys
-only, padding queries attend nothing), ``local_window_size``, ``score_mod``/``mask_mod`` at
-absolute positions, ``sinks`` and the other :func:`jattn.dot_product_attention` keywords,
-so a paged step equals a contiguous one. There is no rolling (modulo-capacity) mode: a
-paged cache frees memory by pages instead, and a sliding window is ``local_window_size``.
+**Attention** through the fused kernel is the softmax in float32 of the queries against
+the row's written keys (causal per row, padding queries attend nothing, grouped-query
+heads without repeating K/V), cast to the computation dtype (``dtype``, or the promoted
+dtype of the query and the pages); its gradient is the XLA formulation's. Elsewhere,
+attention over the gathered pages is :func:`jattn.kvcache.attend` on a contiguous
+cache whose slot ``j`` holds position ``j``: the same mask, ``local_window_size``,
+``score_mod``/``mask_mod`` at absolute positions, ``sinks`` and the other
+:func:`jattn.dot_product_attention` keywords, so a paged step equals a contiguous one.
+There is no rolling (modulo-capacity) mode: a paged cache frees memory by pages instead,
+and a sliding window is ``local_window_size``.
 
 **int8 pages** (``init_paged_cache(..., quantized=True)``): keys and values are stored
 as int8 with one float32 scale per token and head (``max |x| / 127`` over ``head_dim``,

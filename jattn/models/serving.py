@@ -15,10 +15,12 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
   counts) and prefills only the rest.
 
 **Fixed shapes.** Two programs run: a decoding step on ``[slots, 1]`` tokens and a prefill
-chunk on ``[1, prefill_chunk]``. A decoding step attends over a work list of key blocks
-(:func:`jattn.paged.block_list`: each slot's blocks up to its length, padded to one of a
-few counts), so its cost follows the tokens the slots hold, not ``slots`` times the
-longest of them; a prefill chunk attends over a page-table width taken from a few
+chunk on ``[1, prefill_chunk]``. On CPU with jattn's fused kernel
+(:func:`jattn.paged.fused`) a decoding step reads each slot's pages in place up to its
+length (:func:`jattn.kernels.cpu.paged_attention`) over the whole page table, one shape;
+without it, it attends over a work list of key blocks (:func:`jattn.paged.block_list`:
+each slot's blocks up to its length, padded to one of a few counts). Either way its cost
+follows the tokens the slots hold, not ``slots`` times the longest of them; a prefill chunk attends over a page-table width taken from a few
 buckets (powers of two of pages), the smallest that holds its row. So the number of
 compilations is bounded by the number of counts and widths, whatever the number of
 requests.
@@ -62,7 +64,7 @@ class ServingStats(NamedTuple):
       page_size: positions per page.
       shared_pages: page references taken from another request's prompt (prefix sharing).
       programs: the step shapes run, ``(rows, tokens, n)`` each: ``(slots, 1, n)`` a
-        decoding step over ``n`` key blocks, ``(1, prefill_chunk, n)`` a prefill chunk over
+        decoding step over ``n`` key blocks (or ``n`` pages through the fused kernel), ``(1, prefill_chunk, n)`` a prefill chunk over
         ``n`` pages; one compilation each.
     """
 

@@ -8,7 +8,8 @@
 // One item per (row, kv head, key split): the queries of the heads sharing the kv head run
 // an online softmax over blocks of kBlock keys read through the page table in place (a
 // pointer per key, so any page size reads alike); a block's logits are q . k over D, its
-// weights a vectorized polynomial exp, and the values accumulate as acc += p v over Dv.
+// weights a vectorized polynomial exp, and the values accumulate as acc += p v over Dv
+// (a vector of acc held in a register over the block's keys).
 // A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
 // splits in their order. Every sum runs in a fixed order within one item: the results do
 // not depend on the number of threads.
@@ -155,11 +156,24 @@ void attend_block(const PagedParams& p, const Block<E>& b, int64_t n, const floa
     sum += e;
   }
   const float alpha = st[0] == -kInf ? 0.f : vexp(splat(st[0] - m_new))[0];
-  if (alpha != 1.f) scale_by(st + 2, alpha, p.Dv);
   st[0] = m_new;
   st[1] = st[1] * alpha + hsum(sum);
-  for (int64_t j = 0; j < n; ++j)
-    if (b.v[j] != nullptr) axpy(st + 2, s[j] * b.vs[j], b.v[j], p.Dv);
+  for (int64_t j = 0; j < n; ++j) s[j] *= b.vs[j];
+  // acc = alpha acc + sum_j p_j v_j, a vector of Dv at a time held over the block's keys
+  float* acc = st + 2;
+  int64_t c = 0;
+  for (; c + W <= p.Dv; c += W) {
+    vf a = load(acc + c) * splat(alpha);
+    for (int64_t j = 0; j < n; ++j)
+      if (b.v[j] != nullptr) a += splat(s[j]) * load(b.v[j] + c);
+    store(acc + c, a);
+  }
+  for (; c < p.Dv; ++c) {
+    float a = acc[c] * alpha;
+    for (int64_t j = 0; j < n; ++j)
+      if (b.v[j] != nullptr) a += s[j] * static_cast<float>(b.v[j][c]);
+    acc[c] = a;
+  }
 }
 
 // The output of one query from its state: acc / l, zeros where it saw nothing.
