@@ -6,6 +6,9 @@ interleave), so a test passes only if every position goes through its own table 
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -420,3 +423,47 @@ def test_fused_paged_kernel_lowers_for_cuda_without_the_cpu_target():
     traced = f.trace(cache, *chunk)
     assert "jattn_cpu_paged_attention" in traced.lower(lowering_platforms=("cpu",)).as_text()
     assert "jattn_cpu" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+PAGED_ISA_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from jattn import paged
+from jattn.kernels.cpu import status
+assert f"on: {sys.argv[1]} " in status(), status()
+rng = np.random.default_rng(0)
+starts, num_new = np.array([1100, 37, 0, 5]), np.array([3, 2, 0, 1])  # a split row
+for int8 in (False, True):
+    cache = paged.init_paged_cache(4, 90, 16, 72, 2, 37, v_head_dim=19, quantized=int8)
+    table, ids = np.full((4, 72), 90, np.int32), rng.permutation(90)
+    table[0, :69], table[1, :3], table[3, :1] = ids[:69], ids[69:72], ids[72:73]
+    cache = cache._replace(page_table=jnp.asarray(table))
+    k, v = (jnp.asarray(rng.normal(size=(4, 1100, 2, d)), jnp.float32) for d in (37, 19))
+    cache = paged.append(cache, k, v, num_new=jnp.asarray(starts))
+    q = jnp.asarray(rng.normal(size=(4, 3, 4, 37)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(4, 3, 2, d)), jnp.float32) for d in (37, 19))
+    for causal in (True, False):
+        def f(implementation=None):
+            return jax.jit(lambda c, *x: paged.update_and_attend(
+                c, *x, num_new=jnp.asarray(num_new), is_causal=causal,
+                implementation=implementation)[0])(cache, q, k, v)
+        err = float(jnp.abs(f() - f("xla")).max())
+        print(int8, causal, "max error", err)
+        assert err < 2e-5, err
+"""
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_fused_paged_kernel_with_each_instruction_set(isa, tmp_path):
+    """Each build (JATTN_CPU_ISA picks a narrower one) against the XLA path, head sizes
+    that leave a scalar tail after the vectors (37, 19), float and int8 pages, splits."""
+    if isa != "generic" and f"on: {isa}" not in cpu_kernels.status():
+        if isa == "avx512" or "avx512" not in cpu_kernels.status():
+            pytest.skip(f"this CPU has no {isa}")
+    script = tmp_path / "paged_isa_check.py"
+    script.write_text(PAGED_ISA_SCRIPT)
+    env = {**os.environ, "JATTN_CPU_ISA": isa, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, str(script), isa], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
