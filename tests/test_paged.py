@@ -423,6 +423,13 @@ def test_fused_paged_kernel_lowers_for_cuda_without_the_cpu_target():
     traced = f.trace(cache, *chunk)
     assert "jattn_cpu_paged_attention" in traced.lower(lowering_platforms=("cpu",)).as_text()
     assert "jattn_cpu" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+    # one program for both (the target carries no serialization guarantee of jax's, as the
+    # other CPU kernel's): on this host it runs the kernel
+    check = jax.export.DisabledSafetyCheck.custom_call("jattn_cpu_paged_attention")
+    exported = jax.export.export(f, platforms=("cpu", "cuda"), disabled_checks=[check])(
+        cache, *chunk
+    )
+    np.testing.assert_array_equal(exported.call(cache, *chunk), f(cache, *chunk))
 
 
 PAGED_ISA_SCRIPT = """
