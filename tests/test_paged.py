@@ -339,7 +339,7 @@ def test_fused_paged_kernel_equals_numpy_and_the_xla_path(case):
     page, chunk, causal, int8, starts, num_new = case
     rng = np.random.default_rng(len(starts) * 100 + chunk)
     cache, (q, k, v) = filled_cache(rng, starts, num_new, page=page, chunk=chunk, int8=int8)
-    assert paged.fused(cache, q, {})
+    assert paged.fused(cache, q, {}) == (chunk <= paged.FUSED_MAX_QUERIES)
     n = jnp.asarray(num_new)
     out, after = jit_fused(cache, q, k, v, num_new=n, is_causal=causal)
     xla, _ = jit_fused(cache, q, k, v, num_new=n, is_causal=causal, implementation="xla")
@@ -347,6 +347,13 @@ def test_fused_paged_kernel_equals_numpy_and_the_xla_path(case):
     assert out.dtype == xla.dtype == jnp.float32
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(out, xla, rtol=2e-5, atol=2e-5)
+    # the op itself, whatever the chunk's length
+    args = (after.page_table, jnp.asarray(starts), n, after.lengths)
+    scales = dict(k_scales=after.k_scales, v_scales=after.v_scales)
+    op = jax.jit(functools.partial(cpu_kernels.paged_attention, is_causal=causal, **scales))
+    np.testing.assert_allclose(
+        op(q, after.k_pages, after.v_pages, *args), want, rtol=2e-5, atol=2e-5
+    )
     for r, m in enumerate(num_new):  # padding queries (and rows of length 0) give zeros
         np.testing.assert_array_equal(out[r, m:], 0.0)
 
