@@ -29,6 +29,9 @@ namespace {
 
 constexpr int W = JATTN_W;
 constexpr int64_t kBlock = 64;  // keys per block (a multiple of every W)
+// From this many queries per item on, a block's keys are transposed once and every query's
+// logits come a vector of keys at a time (no horizontal sum per key).
+constexpr int64_t kTransposeMinQueries = 4;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 typedef float vf __attribute__((vector_size(W * 4)));
@@ -138,12 +141,42 @@ void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_
 }
 
 // One query's online softmax over the first `n` keys of a block; st = (m, l, acc[Dv]).
+// The block's keys transposed, kt[d * kBlock + j] = key j's element d (dequantized; zeros
+// for unallocated keys and past the block), so that many queries' logits take whole
+// vectors of keys with no horizontal sums.
+template <typename E>
+void transpose_block(const PagedParams& p, const Block<E>& b, int64_t n, float* kt) {
+  for (int64_t j = 0; j < kBlock; ++j) {
+    if (j >= n || b.k[j] == nullptr) {
+      for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = 0.f;
+      continue;
+    }
+    for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = b.ks[j] * static_cast<float>(b.k[j][d]);
+  }
+}
+
+// s[0, kBlock) = scale * q . k_j from the transposed block (kBlock / W accumulators).
+inline void logits_transposed(const PagedParams& p, const float* q, const float* kt, float* s) {
+  constexpr int64_t kVecs = kBlock / W;
+  vf acc[kVecs];
+  for (int64_t v = 0; v < kVecs; ++v) acc[v] = splat(0.f);
+  for (int64_t d = 0; d < p.D; ++d) {
+    const vf qd = splat(q[d]);
+    for (int64_t v = 0; v < kVecs; ++v) acc[v] += qd * load(kt + d * kBlock + v * W);
+  }
+  for (int64_t v = 0; v < kVecs; ++v) store(s + v * W, acc[v] * splat(p.scale));
+}
+
+// One query's online softmax over the first `n` keys of a block; st = (m, l, acc[Dv]);
+// kt: the transposed block (then s arrives empty), or null (logits key by key).
 template <typename E>
 void attend_block(const PagedParams& p, const Block<E>& b, int64_t n, const float* q,
-                  float* s, float* st) {
+                  const float* kt, float* s, float* st) {
   float top = -kInf;
+  if (kt != nullptr) logits_transposed(p, q, kt, s);
   for (int64_t j = 0; j < n; ++j) {
-    s[j] = b.k[j] == nullptr ? 0.f : p.scale * (b.ks[j] * dot(q, b.k[j], p.D));
+    if (kt == nullptr)
+      s[j] = b.k[j] == nullptr ? 0.f : p.scale * (b.ks[j] * dot(q, b.k[j], p.D));
     top = std::max(top, s[j]);
   }
   const int64_t padded = (n + W - 1) / W * W;
@@ -191,7 +224,9 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   const int64_t group = p.H / p.K, r = it.row, stride = 2 + p.Dv;
   const int64_t real = t.real[r], start = t.start[r];
   float* s = scratch;                  // kBlock + W logits
-  float* state = scratch + kBlock + W;  // per query (t, head of the group): m, l, acc[Dv]
+  float* kt = scratch + kBlock + W;     // D x kBlock: the transposed block (many queries)
+  float* state = kt + p.D * kBlock;     // per query (t, head of the group): m, l, acc[Dv]
+  const bool transpose = real * group >= kTransposeMinQueries;
   for (int64_t i = 0; i < real * group; ++i) {
     float* st = state + i * stride;
     st[0] = -kInf;
@@ -201,12 +236,13 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
     fill_block(p, t, r, it.head, first, n, &b);
+    if (transpose) transpose_block(p, b, n, kt);
     for (int64_t tq = 0; tq < real; ++tq) {
       const int64_t seen = p.causal ? std::min(n, start + tq + 1 - first) : n;
       if (seen <= 0) continue;
       for (int64_t g = 0; g < group; ++g) {
         const float* q = t.q + ((r * p.T + tq) * p.H + it.head * group + g) * p.D;
-        attend_block(p, b, seen, q, s, state + (tq * group + g) * stride);
+        attend_block(p, b, seen, q, transpose ? kt : nullptr, s, state + (tq * group + g) * stride);
       }
     }
   }
@@ -250,7 +286,7 @@ void merge_item(const PagedParams& p, const PagedTensors& t, const PagedItem& fi
 }
 
 int64_t scratch_floats(const PagedParams& p) {
-  return kBlock + W + (p.H / p.K) * p.T * (2 + p.Dv);
+  return kBlock + W + p.D * kBlock + (p.H / p.K) * p.T * (2 + p.Dv);
 }
 
 void item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
