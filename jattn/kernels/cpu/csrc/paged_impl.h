@@ -32,6 +32,8 @@ constexpr int64_t kBlock = 64;  // keys per block (a multiple of every W)
 // From this many queries per item on, a block's keys are transposed once and every query's
 // logits come a vector of keys at a time (no horizontal sum per key).
 constexpr int64_t kTransposeMinQueries = 4;
+// Queries whose value accumulations share each value vector's load.
+constexpr int kQueries = 4;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 typedef float vf __attribute__((vector_size(W * 4)));
@@ -167,11 +169,13 @@ inline void logits_transposed(const PagedParams& p, const float* q, const float*
   for (int64_t v = 0; v < kVecs; ++v) store(s + v * W, acc[v] * splat(p.scale));
 }
 
-// One query's online softmax over the first `n` keys of a block; st = (m, l, acc[Dv]);
-// kt: the transposed block (then s arrives empty), or null (logits key by key).
+// One query's logits and online-softmax update over the first `n` keys of a block
+// (st = m, l): leaves its weights p_j (times the value scales) in s[0, kBlock), zeros past
+// n, and returns alpha, the factor its acc must be rescaled by. kt: the transposed block,
+// or null (logits key by key).
 template <typename E>
-void attend_block(const PagedParams& p, const Block<E>& b, int64_t n, const float* q,
-                  const float* kt, float* s, float* st) {
+float softmax_block(const PagedParams& p, const Block<E>& b, int64_t n, const float* q,
+                    const float* kt, float* s, float* st) {
   float top = -kInf;
   if (kt != nullptr) logits_transposed(p, q, kt, s);
   for (int64_t j = 0; j < n; ++j) {
@@ -179,11 +183,10 @@ void attend_block(const PagedParams& p, const Block<E>& b, int64_t n, const floa
       s[j] = b.k[j] == nullptr ? 0.f : p.scale * (b.ks[j] * dot(q, b.k[j], p.D));
     top = std::max(top, s[j]);
   }
-  const int64_t padded = (n + W - 1) / W * W;
-  for (int64_t j = n; j < padded; ++j) s[j] = -kInf;
+  for (int64_t j = n; j < kBlock; ++j) s[j] = -kInf;
   const float m_new = std::max(st[0], top);
   vf sum = splat(0.f);
-  for (int64_t j = 0; j < padded; j += W) {
+  for (int64_t j = 0; j < kBlock; j += W) {
     const vf e = vexp(load(s + j) - splat(m_new));
     store(s + j, e);
     sum += e;
@@ -192,21 +195,53 @@ void attend_block(const PagedParams& p, const Block<E>& b, int64_t n, const floa
   st[0] = m_new;
   st[1] = st[1] * alpha + hsum(sum);
   for (int64_t j = 0; j < n; ++j) s[j] *= b.vs[j];
-  // acc = alpha acc + sum_j p_j v_j, a vector of Dv at a time held over the block's keys
-  float* acc = st + 2;
+  return alpha;
+}
+
+// acc_i = alpha_i acc_i + sum_{j < n} s_i[j] v_j for Q queries: a vector of Dv at a time,
+// held in registers over the block's keys, each value vector loaded once for the Q.
+template <int Q, typename E>
+void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const* s,
+                const float* alpha, float* const* acc) {
   int64_t c = 0;
   for (; c + W <= p.Dv; c += W) {
-    vf a = load(acc + c) * splat(alpha);
-    for (int64_t j = 0; j < n; ++j)
-      if (b.v[j] != nullptr) a += splat(s[j]) * load(b.v[j] + c);
-    store(acc + c, a);
+    vf a[Q];
+    for (int i = 0; i < Q; ++i) a[i] = load(acc[i] + c) * splat(alpha[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      if (b.v[j] == nullptr) continue;
+      const vf v = load(b.v[j] + c);
+      for (int i = 0; i < Q; ++i) a[i] += splat(s[i][j]) * v;
+    }
+    for (int i = 0; i < Q; ++i) store(acc[i] + c, a[i]);
   }
-  for (; c < p.Dv; ++c) {
-    float a = acc[c] * alpha;
-    for (int64_t j = 0; j < n; ++j)
-      if (b.v[j] != nullptr) a += s[j] * static_cast<float>(b.v[j][c]);
-    acc[c] = a;
+  for (; c < p.Dv; ++c)
+    for (int i = 0; i < Q; ++i) {
+      float a = acc[i][c] * alpha[i];
+      for (int64_t j = 0; j < n; ++j)
+        if (b.v[j] != nullptr) a += s[i][j] * static_cast<float>(b.v[j][c]);
+      acc[i][c] = a;
+    }
+}
+
+// The queries of one block awaiting their value accumulation, kQueries at a time.
+struct Pending {
+  float* s[kQueries];
+  float* acc[kQueries];
+  float alpha[kQueries];
+  int64_t seen[kQueries];
+  int count = 0;
+};
+
+template <typename E>
+void flush(const PagedParams& p, const Block<E>& b, Pending* w) {
+  if (w->count == kQueries) {
+    const int64_t n = *std::max_element(w->seen, w->seen + kQueries);
+    accumulate<kQueries>(p, b, n, w->s, w->alpha, w->acc);
+  } else {
+    for (int i = 0; i < w->count; ++i)
+      accumulate<1>(p, b, w->seen[i], w->s + i, w->alpha + i, w->acc + i);
   }
+  w->count = 0;
 }
 
 // The output of one query from its state: acc / l, zeros where it saw nothing.
@@ -223,9 +258,9 @@ template <typename E>
 void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
   const int64_t group = p.H / p.K, r = it.row, stride = 2 + p.Dv;
   const int64_t real = t.real[r], start = t.start[r];
-  float* s = scratch;                  // kBlock + W logits
-  float* kt = scratch + kBlock + W;     // D x kBlock: the transposed block (many queries)
-  float* state = kt + p.D * kBlock;     // per query (t, head of the group): m, l, acc[Dv]
+  float* s = scratch;                           // kQueries rows of kBlock weights
+  float* kt = scratch + kQueries * kBlock;      // D x kBlock: the transposed block
+  float* state = kt + p.D * kBlock;             // per query (t, head of the group): m, l, acc
   const bool transpose = real * group >= kTransposeMinQueries;
   for (int64_t i = 0; i < real * group; ++i) {
     float* st = state + i * stride;
@@ -233,6 +268,7 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
     std::fill(st + 1, st + stride, 0.f);
   }
   Block<E> b;
+  Pending w;
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
     fill_block(p, t, r, it.head, first, n, &b);
@@ -242,9 +278,16 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
       if (seen <= 0) continue;
       for (int64_t g = 0; g < group; ++g) {
         const float* q = t.q + ((r * p.T + tq) * p.H + it.head * group + g) * p.D;
-        attend_block(p, b, seen, q, transpose ? kt : nullptr, s, state + (tq * group + g) * stride);
+        float* st = state + (tq * group + g) * stride;
+        float* row = s + w.count * kBlock;
+        w.alpha[w.count] = softmax_block(p, b, seen, q, transpose ? kt : nullptr, row, st);
+        w.s[w.count] = row;
+        w.acc[w.count] = st + 2;
+        w.seen[w.count] = seen;
+        if (++w.count == kQueries) flush(p, b, &w);
       }
     }
+    flush(p, b, &w);
   }
   if (it.part >= 0) {
     std::memcpy(t.part + it.part, state, sizeof(float) * real * group * stride);
@@ -286,7 +329,7 @@ void merge_item(const PagedParams& p, const PagedTensors& t, const PagedItem& fi
 }
 
 int64_t scratch_floats(const PagedParams& p) {
-  return kBlock + W + p.D * kBlock + (p.H / p.K) * p.T * (2 + p.Dv);
+  return kQueries * kBlock + p.D * kBlock + (p.H / p.K) * p.T * (2 + p.Dv);
 }
 
 void item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
