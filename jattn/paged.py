@@ -26,13 +26,13 @@ allocator: a free list, reference counts for shared prefixes, a slot per request
 **Cost follows the tokens held.** On CPU, with jattn's fused kernel built, a plain call
 (causal or full attention; ``scale``, ``dtype``, ``implementation`` None or
 ``'cpu_fused'``; float32, bfloat16, float16 or int8 pages) of up to
-:data:`FUSED_MAX_QUERIES` tokens per row (decoding) attends through
+:data:`FUSED_MAX_QUERIES` tokens per row (decoding, prefill chunks) attends through
 :func:`jattn.kernels.cpu.paged_attention`, which reads each row's pages in place through
 its page table (no gathered copy) and only up to the row's length: its cost follows the
 tokens held, whatever the table's width or a ``blocks`` work list (ignored then);
 :func:`fused` says whether a call takes it. Otherwise (another platform,
-``implementation='xla'`` and the others, no kernel, longer chunks such as prefills,
-whose arithmetic the tiled kernel does faster than the gather costs) a step attends over the
+``implementation='xla'`` and the others, no kernel, longer chunks, whose arithmetic
+outweighs the gather) a step attends over the
 ``page_table``'s width in pages, not over the pool: the caller passes
 ``page_table[:, :n]`` with ``n`` pages enough for the longest row (a few widths, e.g.
 powers of two, so that a jitted step compiles a bounded number of times), and the step
@@ -497,9 +497,9 @@ def _plain(kwargs: dict) -> bool:
 _FUSED_DTYPES = ("float32", "bfloat16", "float16")
 # The most queries per row (chunk length) the fused paged kernel takes: past it the
 # attention's arithmetic outweighs the gather, and XLA's gather plus the tiled kernel is
-# faster (measured on the AVX-512 EPYC, one thread: even at 64 queries against 1024 keys,
-# 1.3x faster at 256; the paged kernel 1.3-3x faster up to 32).
-FUSED_MAX_QUERIES = 32
+# as fast (measured on the AVX-512 EPYC, one thread: the paged kernel 1.7-3x faster up
+# to 64 queries against 1000 keys, 1.1x at 256, even at 1024).
+FUSED_MAX_QUERIES = 256
 
 
 def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
@@ -508,7 +508,7 @@ def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
     plain causal or full call (the keywords ``is_causal``, a Python ``scale``, ``dtype`` and
     ``implementation`` None or ``'cpu_fused'``), float32, bfloat16, float16 or int8 pages,
     queries of the first three and chunks of up to :data:`FUSED_MAX_QUERIES` tokens
-    (decoding steps, short chunks). ``query``/``attend_kwargs`` None: the cache alone."""
+    (decoding steps, prefill chunks). ``query``/``attend_kwargs`` None: the cache alone."""
     kwargs = {} if attend_kwargs is None else attend_kwargs
     if not _plain(kwargs) or kwargs.get("implementation") not in (None, "cpu_fused"):
         return False
