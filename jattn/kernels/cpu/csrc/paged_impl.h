@@ -127,22 +127,26 @@ void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_
   const E* kp = static_cast<const E*>(t.k);
   const E* vp = static_cast<const E*>(t.v);
   const int32_t* table = t.table + row * p.P;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = first + j, page = table[pos / p.S];
-    if (page < 0 || page >= p.N) {
-      b->k[j] = b->v[j] = nullptr;
-      b->ks[j] = b->vs[j] = 0.f;
-      continue;
+  for (int64_t j = 0; j < n;) {  // a page at a time: one division per page, not per key
+    const int64_t pos = first + j, index = pos / p.S, offset = pos - index * p.S;
+    const int64_t page = table[index], m = std::min(n - j, p.S - offset);
+    const bool allocated = page >= 0 && page < p.N;
+    const int64_t slot = (page * p.S + offset) * p.K + head;
+    for (int64_t i = 0; i < m; ++i, ++j) {
+      if (!allocated) {
+        b->k[j] = b->v[j] = nullptr;
+        b->ks[j] = b->vs[j] = 0.f;
+        continue;
+      }
+      const int64_t at = slot + i * p.K;
+      b->k[j] = kp + at * p.D;
+      b->v[j] = vp + at * p.Dv;
+      b->ks[j] = p.int8 ? t.k_scales[at] : 1.f;
+      b->vs[j] = p.int8 ? t.v_scales[at] : 1.f;
     }
-    const int64_t slot = (page * p.S + pos % p.S) * p.K + head;
-    b->k[j] = kp + slot * p.D;
-    b->v[j] = vp + slot * p.Dv;
-    b->ks[j] = p.int8 ? t.k_scales[slot] : 1.f;
-    b->vs[j] = p.int8 ? t.v_scales[slot] : 1.f;
   }
 }
 
-// One query's online softmax over the first `n` keys of a block; st = (m, l, acc[Dv]).
 // The block's keys transposed, kt[d * kBlock + j] = key j's element d (dequantized; zeros
 // for unallocated keys and past the block), so that many queries' logits take whole
 // vectors of keys with no horizontal sums.
