@@ -326,7 +326,8 @@ FUSED_CASES = [  # (page, chunk, causal, int8, starts, num_new)
     (1, 1, True, False, [3, 20, 0], [1, 1, 1]),  # page size 1
     (16, 5, True, False, [0, 40, 7], [5, 3, 0]),  # prefill chunk with padding queries
     (16, 5, False, False, [9, 0, 33], [2, 5, 4]),  # not causal
-    (16, 64, True, False, [0, 70], [64, 30]),  # a longer chunk
+    (16, 64, True, False, [0, 70], [64, 30]),  # a longer chunk (two blocks of queries)
+    (4, 40, False, True, [10, 0], [40, 33]),  # not causal, int8, two blocks of queries
     (16, 5, True, True, [0, 40, 18], [5, 2, 1]),  # int8 pages
     (16, 1, True, False, [1100, 30], [1, 1]),  # a row over three key splits (512 each)
     (16, 5, False, True, [1300, 2], [4, 5]),  # splits, GQA chunk, int8, not causal
