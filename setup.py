@@ -13,7 +13,8 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "jattn/kernels/cpu/csrc"
 SOURCES = [f"{CSRC}/{name}.cc" for name in ("ffi", "attention_avx512", "attention_avx2",
-                                            "attention_generic")]  # fmt: skip
+                                            "attention_generic", "paged_avx512", "paged_avx2",
+                                            "paged_generic")]  # fmt: skip
 
 
 class BuildKernel(build_ext):
@@ -37,7 +38,8 @@ setup(
             "jattn.kernels.cpu._jattn_cpu",
             sources=SOURCES,
             include_dirs=[CSRC, f"{CSRC}/vendor"],
-            depends=[f"{CSRC}/attention.h", f"{CSRC}/attention_impl.h"],
+            depends=[f"{CSRC}/{name}" for name in ("attention.h", "attention_impl.h", "paged.h",
+                                                  "paged_impl.h")],
             language="c++",
             optional=True,
         )

@@ -246,6 +246,13 @@ def _contiguous_step(graphdef, state, caches, tokens):
     return logits[:, -1].argmax(-1), [b.att.cache.get_value() for b in model.trf_blocks]
 
 
+def _from_leaves(step, graphdef, treedef, leaves, *args):
+    """``step(graphdef, state, *args)`` with the state passed as its flat leaves, as
+    ``generate_many`` passes it (flattening an ``nnx.State`` on every call costs about
+    0.2 ms, as much as a small step's attention)."""
+    return step(graphdef, jax.tree.unflatten(treedef, leaves), *args)
+
+
 def _interleaved_medians(steps: dict, repeats: int) -> dict:
     """Median seconds of each ``state = step(state)`` in ``steps`` ({name: (step, state)}),
     the candidates called in turn every round so that background load hits them alike."""
@@ -265,22 +272,27 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     """Seconds of one decoding step at 10% and 100% filled.
 
     Four candidates per fill: the whole model on paged caches as ``generate_many``'s
-    decoding step runs it (``"paged"``: over the work list of the key blocks the rows hold,
-    rows filled to 10% or 100% of the capacity) and over a page table 10% or 100% of the
+    decoding step runs it (``"paged"``: through the fused CPU paged kernel where it runs,
+    else over the work list of the key blocks the rows hold; rows filled to 10% or 100% of
+    the capacity) and over a page table 10% or 100% of the
     capacity wide (``"table"``), the model on contiguous ``KVCache``s (which attend over the
     whole capacity whatever is filled), and one attention layer alone
     (``jattn.paged.update_and_attend`` over the page table, the model's head layout). The
     lengths stay put between calls (each call rewrites the same position), so every call
-    costs the same. The model's structure is bound once (``partial``), as ``generate_many``
-    binds it: a static ``GraphDef`` argument would be hashed on every call.
+    costs the same. The model's structure is bound once (``partial``) and its state passed
+    as flat leaves, as ``generate_many`` does: a static ``GraphDef`` argument would be
+    hashed on every call, and an ``nnx.State`` flattened.
     """
     graphdef, state = nnx.split(model)
+    state, treedef = jax.tree.flatten(state)
     att = model.trf_blocks[0].att
     max_pages = paged.pages_needed(capacity, page_size)
     tokens = jnp.zeros((slots, 1), jnp.int32)
     full_table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)
-    paged_fn = jax.jit(partial(_paged_step, graphdef), donate_argnums=1)
-    contiguous_fn = jax.jit(partial(_contiguous_step, graphdef), donate_argnums=1)
+    paged_fn = jax.jit(partial(_from_leaves, _paged_step, graphdef, treedef), donate_argnums=1)
+    contiguous_fn = jax.jit(
+        partial(_from_leaves, _contiguous_step, graphdef, treedef), donate_argnums=1
+    )
     layer_fn = jax.jit(paged.update_and_attend, donate_argnums=0)
     rng = np.random.default_rng(2)
     q, kv = (
@@ -295,7 +307,11 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
         empty = paged.init_paged_cache(
             slots, slots * max_pages, page_size, width, att.kv_heads, att.head_dim
         )._replace(page_table=jnp.copy(table), lengths=jnp.copy(lengths))  # its own buffers
-        blocks = jnp.asarray(paged.block_list(np.asarray(lengths) + 1, page_size))
+        # generate_many's step: the fused paged kernel where it runs (no work list), else
+        # the work list of the key blocks the rows hold
+        blocks = None
+        if not paged.fused(empty):
+            blocks = jnp.asarray(paged.block_list(np.asarray(lengths) + 1, page_size))
 
         def pools(pool=empty.k_pages):
             return [tuple(jnp.zeros_like(pool) for _ in "kv") for _ in model.trf_blocks]
@@ -417,8 +433,8 @@ def main(argv=None) -> None:
          f"{pool / (args.slots * capacity):.2f}x", ""),
         (f"KV positions held at peak / static `batch x capacity` ({args.requests} x {capacity})",
          f"{held / (args.requests * capacity):.2f}x", ""),
-        ("decode step (whole model), paged (`generate_many`'s: over the key blocks held), "
-         "10% / 100% filled",
+        ("decode step (whole model), paged (`generate_many`'s: the fused paged kernel, else over "
+         "the key blocks held), 10% / 100% filled",
          f"**{steps[('paged', 0.1)] / steps[('paged', 1.0)]:.2f}x** "
          f"({steps[('paged', 0.1)] * 1e3:.1f} / {steps[('paged', 1.0)] * 1e3:.1f} ms)", "<= 0.3x"),
         ("decode step, paged over a page table 10% / 100% of the capacity wide",

@@ -5,6 +5,11 @@ Page tables are deliberately shuffled (a row's pages are scattered over the pool
 interleave), so a test passes only if every position goes through its own table entry.
 """
 
+import functools
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +19,8 @@ from flax import nnx
 from jattn import kvcache as kv
 from jattn import mods, paged
 from jattn import nnx as jnnx
+from jattn.kernels import cpu as cpu_kernels
+from jattn.kernels.cpu import adapter as cpu_adapter
 from jattn.rope import RoPE
 from tests.reference import np_attention
 
@@ -163,7 +170,9 @@ def test_block_list_covers_each_row_in_order_and_pads():
 @pytest.mark.parametrize("modified", [False, True])
 def test_block_work_list_attends_like_the_contiguous_cache(modified):
     """Prefill and decode over a (row, block) work list, with padding entries, rows of
-    several blocks, a row with no tokens; with modifiers the page-table path serves it."""
+    several blocks, a row with no tokens; with modifiers the page-table path serves it.
+    (implementation='xla': the fused CPU paged kernel, which reads the page table itself,
+    would serve a plain call.)"""
     page, width = 32, 12  # blocks of 128 positions: up to 3 per row
     rng = np.random.default_rng(5)
     q, k, v = qkv(rng, 300)
@@ -172,6 +181,7 @@ def test_block_work_list_attends_like_the_contiguous_cache(modified):
     )
     cc = kv.init_cache(B, width * page, K, D)
     opts = dict(local_window_size=(150, 0), sinks=jnp.ones((H,))) if modified else {}
+    opts["implementation"] = "xla"
     for lo, hi, n in ((0, 290, [290, 0, 140]), (290, 291, [1, 1, 1]), (291, 292, [1, 0, 1])):
         n = jnp.asarray(n)
         blocks = paged.block_list(np.asarray(pc.lengths + n), page, num_blocks=9)
@@ -185,8 +195,8 @@ def test_block_work_list_attends_like_the_contiguous_cache(modified):
     if not modified:  # the list is what is attended: a row left out attends nothing
         step = [x[:, 292:293] for x in (q, k, v)]
         blocks = paged.block_list(np.asarray(pc.lengths + 1) * np.array([1, 1, 0]), page)
-        po, _ = paged.update_and_attend(pc._replace(blocks=jnp.asarray(blocks)), *step)
-        co, _ = kv.update_and_attend(cc, *step)
+        po, _ = paged.update_and_attend(pc._replace(blocks=jnp.asarray(blocks)), *step, **opts)
+        co, _ = kv.update_and_attend(cc, *step, **opts)
         np.testing.assert_allclose(po[:2], co[:2], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(po[2], 0.0)
 
@@ -251,3 +261,224 @@ def test_int8_pages_round_trip_within_half_a_step_and_attend_close_to_float():
             assert np.all(np.abs(np.asarray(got) - x) <= step / 2 + 1e-6)
     err = np.abs(np.asarray(qo) - np.asarray(fo)).max() / np.abs(np.asarray(fo)).max()
     assert 0 < err < 0.02, err  # int8 changes the output, by under 2% of its range
+
+
+# ----------------------------------------------------------------------------------------
+# The fused CPU paged kernel (jattn.kernels.cpu.paged_attention), which update_and_attend
+# takes for plain calls: it reads the pages in place through the page table.
+# ----------------------------------------------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available() or jax.default_backend() != "cpu",
+    reason="the fused CPU kernel is not built",
+)
+
+
+def filled_cache(rng, starts, num_new, *, page, chunk, heads=(4, 2), dim=16, int8=False):
+    """A paged cache holding ``starts`` random tokens per row on shuffled pages; pages are
+    allocated up to ``starts + num_new`` and the rest of each table is unallocated
+    (``num_pages``, or -1 on row 0). Returns the cache and a chunk ``(q, k, v)``."""
+    rows, (h, kh) = len(starts), heads
+    need = [paged.pages_needed(s + n, page) for s, n in zip(starts, num_new, strict=True)]
+    width = max(max(need), 1) + 1
+    pool = sum(need) + 2
+    cache = paged.init_paged_cache(rows, pool, page, width, kh, dim, quantized=int8)
+    table = np.full((rows, width), pool, np.int32)
+    table[0] = -1
+    ids = iter(rng.permutation(pool))
+    for r, n in enumerate(need):
+        table[r, :n] = [next(ids) for _ in range(n)]
+    cache = cache._replace(page_table=jnp.asarray(table))
+    longest = max(max(starts), 1)
+
+    def normal(t, heads):
+        return jnp.asarray(rng.normal(size=(rows, t, heads, dim)), jnp.float32)
+
+    cache = paged.append(
+        cache, normal(longest, kh), normal(longest, kh), num_new=jnp.asarray(starts)
+    )
+    return cache, (normal(chunk, h), normal(chunk, kh), normal(chunk, kh))
+
+
+def np_paged_reference(cache_after, q, starts, num_new, causal):
+    """float64: each row's real queries over its written keys (read back dequantized)."""
+    full = paged.gather(cache_after)
+    keys, values = (np.asarray(x, np.float64) for x in (full.keys, full.values))
+    q = np.asarray(q, np.float64)
+    rows, t, h, d = q.shape
+    group = h // keys.shape[-2]
+    out = np.zeros((rows, t, h, values.shape[-1]))
+    for r in range(rows):
+        length = int(cache_after.lengths[r])
+        for i in range(int(num_new[r])):
+            seen = min(length, starts[r] + i + 1) if causal else length
+            for j in range(h):
+                logits = keys[r, :seen, j // group] @ q[r, i, j] * d**-0.5
+                w = np.exp(logits - logits.max())
+                out[r, i, j] = w @ values[r, :seen, j // group] / w.sum()
+    return out
+
+
+jit_fused = jax.jit(paged.update_and_attend, static_argnames=("is_causal", "implementation"))
+
+FUSED_CASES = [  # (page, chunk, causal, int8, starts, num_new)
+    (16, 1, True, False, [0, 37, 5, 100], [0, 1, 1, 1]),  # decode; a row of length 0
+    (1, 1, True, False, [3, 20, 0], [1, 1, 1]),  # page size 1
+    (16, 5, True, False, [0, 40, 7], [5, 3, 0]),  # prefill chunk with padding queries
+    (16, 5, False, False, [9, 0, 33], [2, 5, 4]),  # not causal
+    (16, 64, True, False, [0, 70], [64, 30]),  # a longer chunk (two blocks of queries)
+    (4, 40, False, True, [10, 0], [40, 33]),  # not causal, int8, two blocks of queries
+    (16, 5, True, True, [0, 40, 18], [5, 2, 1]),  # int8 pages
+    (16, 1, True, False, [1100, 30], [1, 1]),  # a row over three key splits (512 each)
+    (16, 5, False, True, [1300, 2], [4, 5]),  # splits, GQA chunk, int8, not causal
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+def test_fused_paged_kernel_equals_numpy_and_the_xla_path(case):
+    page, chunk, causal, int8, starts, num_new = case
+    rng = np.random.default_rng(len(starts) * 100 + chunk)
+    cache, (q, k, v) = filled_cache(rng, starts, num_new, page=page, chunk=chunk, int8=int8)
+    assert paged.fused(cache, q, {}) == (chunk <= paged.FUSED_MAX_QUERIES)
+    n = jnp.asarray(num_new)
+    out, after = jit_fused(cache, q, k, v, num_new=n, is_causal=causal)
+    xla, _ = jit_fused(cache, q, k, v, num_new=n, is_causal=causal, implementation="xla")
+    want = np_paged_reference(after, q, starts, num_new, causal)
+    assert out.dtype == xla.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out, xla, rtol=2e-5, atol=2e-5)
+    # the op itself, whatever the chunk's length
+    args = (after.page_table, jnp.asarray(starts), n, after.lengths)
+    scales = dict(k_scales=after.k_scales, v_scales=after.v_scales)
+    op = jax.jit(functools.partial(cpu_kernels.paged_attention, is_causal=causal, **scales))
+    np.testing.assert_allclose(
+        op(q, after.k_pages, after.v_pages, *args), want, rtol=2e-5, atol=2e-5
+    )
+    for r, m in enumerate(num_new):  # padding queries (and rows of length 0) give zeros
+        np.testing.assert_array_equal(out[r, m:], 0.0)
+
+
+@needs_kernel
+def test_fused_paged_kernel_direct_call_and_a_work_list():
+    """The public op against the XLA formulation (unallocated entries as -1 too), and
+    update_and_attend with a work list takes the fused kernel with the same result."""
+    rng = np.random.default_rng(3)
+    starts, num_new = [50, 0, 200], [1, 1, 0]
+    cache, (q, k, v) = filled_cache(rng, starts, num_new, page=16, chunk=1)
+    blocks = paged.block_list(np.asarray(starts) + num_new, 16, num_blocks=8)
+    a, _ = jit_fused(
+        cache._replace(blocks=jnp.asarray(blocks)), q, k, v, num_new=jnp.asarray(num_new)
+    )
+    b, after = jit_fused(cache, q, k, v, num_new=jnp.asarray(num_new))
+    np.testing.assert_array_equal(a, b)
+    args = (after.k_pages, after.v_pages, after.page_table, jnp.asarray(starts),
+            jnp.asarray(num_new), after.lengths)  # fmt: skip
+    got = jax.jit(cpu_kernels.paged_attention)(q, *args)
+    np.testing.assert_array_equal(got, b)
+
+
+@needs_kernel
+def test_fused_paged_kernel_in_half_precision_gives_the_xla_paths_dtype():
+    rng = np.random.default_rng(4)
+    cache, chunk = filled_cache(rng, [30, 3], [1, 1], page=16, chunk=1)
+    cache = cache._replace(k_pages=cache.k_pages.astype(jnp.bfloat16),
+                           v_pages=cache.v_pages.astype(jnp.bfloat16))  # fmt: skip
+    q, k, v = (x.astype(jnp.bfloat16) for x in chunk)
+    out, _ = jit_fused(cache, q, k, v)
+    xla, _ = jit_fused(cache, q, k, v, implementation="xla")
+    assert out.dtype == xla.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(np.float32), xla.astype(np.float32), atol=2e-2)
+
+
+@needs_kernel
+def test_fused_paged_kernel_is_bit_identical_with_one_and_two_threads(monkeypatch):
+    rng = np.random.default_rng(6)
+    cache, (q, k, v) = filled_cache(rng, [1100, 40, 600], [1, 5, 3], page=16, chunk=5)
+
+    def run():  # a fresh trace: the thread cap is read when the call is traced
+        return jax.jit(lambda *a: paged.update_and_attend(*a)[0])(cache, q, k, v)
+
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv(cpu_adapter.THREADS_ENV, threads)
+        results.append(np.asarray(run()))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_paged_gradient_equals_the_xla_paths(int8):
+    rng = np.random.default_rng(7)
+    cache, chunk = filled_cache(rng, [20, 0, 9], [3, 2, 0], page=4, chunk=3, int8=int8)
+    weights = jnp.asarray(rng.normal(size=(3, 3, 4, 16)), jnp.float32)
+
+    def loss(chunk, **kwargs):
+        out, _ = paged.update_and_attend(cache, *chunk, num_new=jnp.asarray([3, 2, 0]), **kwargs)
+        return jnp.sum(out * weights)
+
+    fused = jax.jit(jax.grad(loss))(chunk)
+    xla = jax.jit(jax.grad(functools.partial(loss, implementation="xla")))(chunk)
+    for a, b in zip(fused, xla, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_paged_kernel_lowers_for_cuda_without_the_cpu_target():
+    rng = np.random.default_rng(8)
+    cache, chunk = filled_cache(rng, [20, 3], [1, 1], page=16, chunk=1)
+    f = jax.jit(lambda c, *x: paged.update_and_attend(c, *x)[0])
+    traced = f.trace(cache, *chunk)
+    assert "jattn_cpu_paged_attention" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "jattn_cpu" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+    # one program for both (the target carries no serialization guarantee of jax's, as the
+    # other CPU kernel's): on this host it runs the kernel
+    check = jax.export.DisabledSafetyCheck.custom_call("jattn_cpu_paged_attention")
+    exported = jax.export.export(f, platforms=("cpu", "cuda"), disabled_checks=[check])(
+        cache, *chunk
+    )
+    np.testing.assert_array_equal(exported.call(cache, *chunk), f(cache, *chunk))
+
+
+PAGED_ISA_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from jattn import paged
+from jattn.kernels.cpu import status
+assert f"on: {sys.argv[1]} " in status(), status()
+rng = np.random.default_rng(0)
+starts, num_new = np.array([1100, 37, 0, 5]), np.array([3, 2, 0, 1])  # a split row
+for int8 in (False, True):
+    cache = paged.init_paged_cache(4, 90, 16, 72, 2, 37, v_head_dim=19, quantized=int8)
+    table, ids = np.full((4, 72), 90, np.int32), rng.permutation(90)
+    table[0, :69], table[1, :3], table[3, :1] = ids[:69], ids[69:72], ids[72:73]
+    cache = cache._replace(page_table=jnp.asarray(table))
+    k, v = (jnp.asarray(rng.normal(size=(4, 1100, 2, d)), jnp.float32) for d in (37, 19))
+    cache = paged.append(cache, k, v, num_new=jnp.asarray(starts))
+    q = jnp.asarray(rng.normal(size=(4, 3, 4, 37)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(4, 3, 2, d)), jnp.float32) for d in (37, 19))
+    for causal in (True, False):
+        def f(implementation=None):
+            return jax.jit(lambda c, *x: paged.update_and_attend(
+                c, *x, num_new=jnp.asarray(num_new), is_causal=causal,
+                implementation=implementation)[0])(cache, q, k, v)
+        err = float(jnp.abs(f() - f("xla")).max())
+        print(int8, causal, "max error", err)
+        assert err < 2e-5, err
+"""
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_fused_paged_kernel_with_each_instruction_set(isa, tmp_path):
+    """Each build (JATTN_CPU_ISA picks a narrower one) against the XLA path, head sizes
+    that leave a scalar tail after the vectors (37, 19), float and int8 pages, splits."""
+    if isa != "generic" and f"on: {isa}" not in cpu_kernels.status():
+        if isa == "avx512" or "avx512" not in cpu_kernels.status():
+            pytest.skip(f"this CPU has no {isa}")
+    script = tmp_path / "paged_isa_check.py"
+    script.write_text(PAGED_ISA_SCRIPT)
+    env = {**os.environ, "JATTN_CPU_ISA": isa, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, str(script), isa], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr

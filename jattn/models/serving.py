@@ -15,10 +15,12 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
   counts) and prefills only the rest.
 
 **Fixed shapes.** Two programs run: a decoding step on ``[slots, 1]`` tokens and a prefill
-chunk on ``[1, prefill_chunk]``. A decoding step attends over a work list of key blocks
-(:func:`jattn.paged.block_list`: each slot's blocks up to its length, padded to one of a
-few counts), so its cost follows the tokens the slots hold, not ``slots`` times the
-longest of them; a prefill chunk attends over a page-table width taken from a few
+chunk on ``[1, prefill_chunk]``. On CPU with jattn's fused kernel
+(:func:`jattn.paged.fused`) a decoding step reads each slot's pages in place up to its
+length (:func:`jattn.kernels.cpu.paged_attention`) over the whole page table, one shape;
+without it, it attends over a work list of key blocks (:func:`jattn.paged.block_list`:
+each slot's blocks up to its length, padded to one of a few counts). Either way its cost
+follows the tokens the slots hold, not ``slots`` times the longest of them; a prefill chunk attends over a page-table width taken from a few
 buckets (powers of two of pages), the smallest that holds its row. So the number of
 compilations is bounded by the number of counts and widths, whatever the number of
 requests.
@@ -62,7 +64,7 @@ class ServingStats(NamedTuple):
       page_size: positions per page.
       shared_pages: page references taken from another request's prompt (prefix sharing).
       programs: the step shapes run, ``(rows, tokens, n)`` each: ``(slots, 1, n)`` a
-        decoding step over ``n`` key blocks, ``(1, prefill_chunk, n)`` a prefill chunk over
+        decoding step over ``n`` key blocks (or ``n`` pages through the fused kernel), ``(1, prefill_chunk, n)`` a prefill chunk over
         ``n`` pages; one compilation each.
     """
 
@@ -236,6 +238,23 @@ def _pool(cache: paged.PagedKVCache) -> tuple[Array, ...]:
     return cache.k_pages, cache.v_pages, cache.k_scales, cache.v_scales
 
 
+def _cache(pool: tuple[Array, ...]) -> paged.PagedKVCache:
+    """A layer's pool as a (tableless) paged cache, to ask :func:`jattn.paged.fused`."""
+    k_pages, v_pages, *scales = pool
+    return paged.PagedKVCache(
+        k_pages, v_pages, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), *scales
+    )
+
+
+def _attend_options(att) -> dict:
+    """The attention keywords of a layer's cached call that :func:`jattn.paged.fused` reads."""
+    return dict(
+        implementation=getattr(att, "attention_implementation", None),
+        dtype=getattr(att, "dtype", None),
+        precision=getattr(att, "precision", None),
+    )
+
+
 # ----------------------------------------------------------------------------------------
 # The host side: slots, pages, requests
 # ----------------------------------------------------------------------------------------
@@ -325,6 +344,12 @@ class _Server:
             )
             for block in decoder.trf_blocks
         ]  # fmt: skip
+        # decoding steps through the fused CPU paged kernel read the pages in place, at a
+        # cost that follows the tokens held: no work list (host work, a larger program)
+        self.fused = all(
+            paged.fused(_cache(pool), None, _attend_options(block.att))
+            for pool, block in zip(self.pools, decoder.trf_blocks, strict=True)
+        )
         self.decode_steps = self.prefill_chunks = self.shared = 0
         self.held: list[int] = []
         self.programs: set[tuple[int, int, int]] = set()
@@ -403,7 +428,10 @@ class _Server:
         """One step on ``rows``; ``blocked``: over the key blocks the rows hold (a
         decoding step), else over the narrowest page table that holds the longest row."""
         after = self.lengths[rows] + num_new  # rows with num_new 0 read nothing they use
-        if blocked:
+        if blocked and self.fused:  # the kernel reads each row's pages up to its length
+            width = shape = self.max_pages
+            blocks = None
+        elif blocked:
             attended = np.where(num_new > 0, after, 0)
             blocks = paged.block_list(attended, self.pages.size, self.block_counts)
             width, shape = self.max_pages, len(blocks)

@@ -3,6 +3,7 @@
 //
 // Exported (loaded with ctypes, registered by jattn.kernels.cpu._library):
 //   JattnCpuAttentionForward, JattnCpuAttentionBackward: the FFI handlers;
+//   JattnCpuPagedAttention: the paged attention handler (the block at the end);
 //   jattn_cpu_isa(): the instruction set the kernels run with ("avx512", "avx2", "generic");
 //   jattn_cpu_ffi_api_version(): the XLA FFI API version the handlers were built against.
 #include <algorithm>
@@ -528,3 +529,159 @@ __attribute__((visibility("default"))) int jattn_cpu_ffi_api_version() {
   return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR;
 }
 }
+
+// ----------------------------------------------------------------------------------------
+// Paged attention (forward): attention read through a page table (paged.h, paged_impl.h).
+// ----------------------------------------------------------------------------------------
+
+#include "paged.h"
+
+namespace jattn {
+namespace {
+
+// The paged kernels of the attention kernels' instruction set (JATTN_CPU_ISA included).
+const PagedIsa& paged_isa() {
+  static const PagedIsa* chosen = [] {
+    const std::string name = isa().name;
+    if (name == "avx512" && paged_isa_avx512() != nullptr) return paged_isa_avx512();
+    if (name == "avx2" && paged_isa_avx2() != nullptr) return paged_isa_avx2();
+    return paged_isa_generic();
+  }();
+  return *chosen;
+}
+
+// Split-KV decoding for paged rows: up to this many queries per kv head (the group's heads
+// times the chunk) against at least two splits of about kPagedSplitKeys keys (whole pages)
+// split the row's keys; the split count follows the shapes and lengths alone.
+constexpr int64_t kPagedSplitMaxQueries = 16;
+constexpr int64_t kPagedSplitKeys = 512;
+
+ffi::Error paged_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                        ffi::Span<const int64_t> vd, ffi::Span<const int64_t> td,
+                        ffi::DataType kt, ffi::DataType vt, float scale, int64_t causal,
+                        PagedParams* p) {
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "jattn paged attention: q [R, T, H, D], pages [N, S, K, D] and page_table [R, P]");
+  p->R = qd[0];
+  p->T = qd[1];
+  p->H = qd[2];
+  p->D = qd[3];
+  p->N = kd[0];
+  p->S = kd[1];
+  p->K = kd[2];
+  p->Dv = vd[3];
+  p->P = td[1];
+  p->scale = scale;
+  p->causal = causal != 0;
+  p->int8 = kt == ffi::DataType::S8;
+  if (kd[3] != p->D || vd[0] != p->N || vd[1] != p->S || vd[2] != p->K || td[0] != p->R ||
+      p->K == 0 || p->H % p->K != 0 || p->S == 0)
+    return ffi::Error::InvalidArgument("jattn paged attention: shapes do not match");
+  if (kt != vt || (kt != ffi::DataType::S8 && kt != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(
+        "jattn paged attention: pages must be both float32 or both int8");
+  return ffi::Error::Success();
+}
+
+// The work items: per row (ascending) and kv head, one item, or consecutive key splits of
+// whole pages when few queries meet a long row; `part_floats` the partials they write.
+std::vector<PagedItem> paged_items(const PagedParams& p, const std::vector<int32_t>& start,
+                                   const std::vector<int32_t>& real,
+                                   const std::vector<int32_t>& length, int64_t* part_floats) {
+  const int64_t queries = p.H / p.K * p.T, stride = 2 + p.Dv;
+  const int64_t split = p.S * std::max<int64_t>(1, kPagedSplitKeys / p.S);
+  std::vector<PagedItem> items;
+  *part_floats = 0;
+  for (int64_t r = 0; r < p.R; ++r) {
+    // the keys any real query sees: below the length, and to the last query if causal
+    int64_t end = real[r] == 0 ? 0 : length[r];
+    if (p.causal) end = std::min<int64_t>(end, static_cast<int64_t>(start[r]) + real[r]);
+    const int64_t splits =
+        queries <= kPagedSplitMaxQueries && end >= 2 * split ? (end + split - 1) / split : 1;
+    for (int64_t g = 0; g < p.K; ++g)
+      for (int64_t i = 0; i < splits; ++i) {
+        int64_t part = -1;
+        if (splits > 1) {
+          part = *part_floats;
+          *part_floats += real[r] * (p.H / p.K) * stride;
+        }
+        items.push_back({r, g, i * split, std::min(end, (i + 1) * split), part, splits});
+      }
+  }
+  return items;
+}
+
+ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                        ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                        ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> page_table,
+                        ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> num_real,
+                        ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal,
+                        int64_t max_threads, ffi::ResultBuffer<ffi::F32> out) {
+  PagedParams p;
+  ffi::Error err = paged_params(q.dimensions(), k_pages.dimensions(), v_pages.dimensions(),
+                                page_table.dimensions(), k_pages.element_type(),
+                                v_pages.element_type(), scale, causal, &p);
+  if (err.failure()) return err;
+  if (p.int8 && (k_scales.element_count() != static_cast<size_t>(p.N * p.S * p.K) ||
+                 v_scales.element_count() != static_cast<size_t>(p.N * p.S * p.K)))
+    return ffi::Error::InvalidArgument("jattn paged attention: int8 pages need their scales");
+  // Each row's real queries (capped at the table's capacity past its start) and length.
+  const int64_t capacity = p.P * p.S;
+  std::vector<int32_t> start(p.R), real(p.R), length(p.R);
+  for (int64_t r = 0; r < p.R; ++r) {
+    const int64_t s = std::max<int32_t>(starts.typed_data()[r], 0);
+    start[r] = static_cast<int32_t>(std::min(s, capacity));
+    real[r] = static_cast<int32_t>(std::clamp<int64_t>(
+        std::min<int64_t>(num_real.typed_data()[r], capacity - start[r]), 0, p.T));
+    length[r] = static_cast<int32_t>(
+        std::clamp<int64_t>(lengths.typed_data()[r], 0, capacity));
+  }
+  PagedTensors t;
+  t.q = q.typed_data();
+  t.k = k_pages.untyped_data();
+  t.v = v_pages.untyped_data();
+  t.k_scales = k_scales.typed_data();
+  t.v_scales = v_scales.typed_data();
+  t.table = page_table.typed_data();
+  t.start = start.data();
+  t.real = real.data();
+  t.length = length.data();
+  t.out = out->typed_data();
+  if (p.R * p.T * p.H * p.Dv == 0) return ffi::Error::Success();
+  int64_t part_floats = 0;
+  const std::vector<PagedItem> items = paged_items(p, start, real, length, &part_floats);
+  std::vector<float> part(part_floats);
+  t.part = part.data();
+  const PagedIsa& k_isa = paged_isa();
+  const int64_t threads = worker_count(pool, max_threads);
+  parallel_for(pool, static_cast<int64_t>(items.size()), threads, k_isa.scratch_floats(p),
+               [&](int64_t i, float* s) { k_isa.item(p, t, items[i], s); });
+  if (part_floats == 0) return ffi::Error::Success();
+  std::vector<int64_t> merges;  // the first item of each split (row, kv head)
+  for (size_t i = 0; i < items.size(); i += items[i].splits)
+    if (items[i].splits > 1) merges.push_back(static_cast<int64_t>(i));
+  parallel_for(pool, static_cast<int64_t>(merges.size()), threads, 0,
+               [&](int64_t i, float*) { k_isa.merge_item(p, t, items[merges[i]]); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuPagedAttention, jattn::PagedForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // starts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_real
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out

@@ -1,0 +1,351 @@
+// The fused paged attention kernel for one instruction set, written once with GCC/Clang
+// vector extensions and compiled per build (paged_avx512.cc, paged_avx2.cc,
+// paged_generic.cc), each under its own target pragma. Before including, define:
+//   JATTN_ISA  the namespace (avx512, avx2, generic)
+//   JATTN_ISA_NAME  its name
+//   JATTN_W    floats per vector register (16, 8, 4)
+//
+// One item per (row, kv head, key split): the queries of the heads sharing the kv head run
+// an online softmax over blocks of kBlock keys read through the page table in place (a
+// pointer per key, so any page size reads alike); a block's logits are q . k over D, its
+// weights a vectorized polynomial exp, and the values accumulate as acc += p v over Dv
+// (a vector of acc held in a register over the block's keys).
+// A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
+// splits in their order. Every sum runs in a fixed order within one item: the results do
+// not depend on the number of threads.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "paged.h"
+
+namespace jattn {
+namespace JATTN_ISA {
+namespace {
+
+constexpr int W = JATTN_W;
+constexpr int64_t kBlock = 64;  // keys per block (a multiple of every W)
+// From this many queries per item on, a block's keys are transposed once and every query's
+// logits come a vector of keys at a time (no horizontal sum per key).
+constexpr int64_t kTransposeMinQueries = 4;
+// Queries whose value accumulations share each value vector's load.
+constexpr int kQueries = 4;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef int8_t vb __attribute__((vector_size(W), aligned(1)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline vf load(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const vb*>(p), vf);
+}
+inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+inline vf splat(float x) { return vf{} + x; }
+
+template <int K, int... U>
+inline vf rotate_lanes(vf x, std::integer_sequence<int, U...>) {
+  return __builtin_shufflevector(x, x, ((U + K) % W)...);
+}
+
+template <int K>
+inline vf rotate(vf x) {
+  return rotate_lanes<K>(x, std::make_integer_sequence<int, W>{});
+}
+
+inline float hsum(vf x) {  // a tree: log2(W) dependent steps
+  if constexpr (W >= 16) x += rotate<8>(x);
+  if constexpr (W >= 8) x += rotate<4>(x);
+  x += rotate<2>(x);
+  x += rotate<1>(x);
+  return x[0];
+}
+
+// exp(x) to about 1 ulp (Cephes' expf polynomial, as attention_impl.h); 0 below -87.
+inline vf vexp(vf x) {
+  vf xc = x < splat(-87.f) ? splat(-87.f) : x;
+  xc = xc > splat(88.f) ? splat(88.f) : xc;
+  const vf magic = splat(12582912.f);
+  vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  vf r = xc - n * splat(0.693359375f);
+  r = r + n * splat(2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf result = y * (vf)bits;
+  return x < splat(-87.f) ? splat(0.f) : result;
+}
+
+template <typename E>
+inline float dot(const float* q, const E* k, int64_t d) {
+  vf acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + W <= d; i += W) acc += load(q + i) * load(k + i);
+  float s = hsum(acc);
+  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+// acc[0, n) += w * v[0, n)
+template <typename E>
+inline void axpy(float* acc, float w, const E* v, int64_t n) {
+  const vf wv = splat(w);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store(acc + i, load(acc + i) + wv * load(v + i));
+  for (; i < n; ++i) acc[i] += w * static_cast<float>(v[i]);
+}
+
+inline void scale_by(float* acc, float a, int64_t n) {
+  const vf av = splat(a);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store(acc + i, load(acc + i) * av);
+  for (; i < n; ++i) acc[i] *= a;
+}
+
+// A block of keys of one row and kv head: where each key and value is (null: on an
+// unallocated page, read as zeros) and, for int8 pages, its scale.
+template <typename E>
+struct Block {
+  const E* k[kBlock];
+  const E* v[kBlock];
+  float ks[kBlock], vs[kBlock];
+};
+
+template <typename E>
+void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
+                int64_t first, int64_t n, Block<E>* b) {
+  const E* kp = static_cast<const E*>(t.k);
+  const E* vp = static_cast<const E*>(t.v);
+  const int32_t* table = t.table + row * p.P;
+  for (int64_t j = 0; j < n;) {  // a page at a time: one division per page, not per key
+    const int64_t pos = first + j, index = pos / p.S, offset = pos - index * p.S;
+    const int64_t page = table[index], m = std::min(n - j, p.S - offset);
+    const bool allocated = page >= 0 && page < p.N;
+    const int64_t slot = (page * p.S + offset) * p.K + head;
+    for (int64_t i = 0; i < m; ++i, ++j) {
+      if (!allocated) {
+        b->k[j] = b->v[j] = nullptr;
+        b->ks[j] = b->vs[j] = 0.f;
+        continue;
+      }
+      const int64_t at = slot + i * p.K;
+      b->k[j] = kp + at * p.D;
+      b->v[j] = vp + at * p.Dv;
+      b->ks[j] = p.int8 ? t.k_scales[at] : 1.f;
+      b->vs[j] = p.int8 ? t.v_scales[at] : 1.f;
+    }
+  }
+}
+
+// The block's keys transposed, kt[d * kBlock + j] = key j's element d (dequantized; zeros
+// for unallocated keys and past the block), so that many queries' logits take whole
+// vectors of keys with no horizontal sums.
+template <typename E>
+void transpose_block(const PagedParams& p, const Block<E>& b, int64_t n, float* kt) {
+  for (int64_t j = 0; j < kBlock; ++j) {
+    if (j >= n || b.k[j] == nullptr) {
+      for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = 0.f;
+      continue;
+    }
+    for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = b.ks[j] * static_cast<float>(b.k[j][d]);
+  }
+}
+
+// s[0, kBlock) = scale * q . k_j from the transposed block (kBlock / W accumulators).
+inline void logits_transposed(const PagedParams& p, const float* q, const float* kt, float* s) {
+  constexpr int64_t kVecs = kBlock / W;
+  vf acc[kVecs];
+  for (int64_t v = 0; v < kVecs; ++v) acc[v] = splat(0.f);
+  for (int64_t d = 0; d < p.D; ++d) {
+    const vf qd = splat(q[d]);
+    for (int64_t v = 0; v < kVecs; ++v) acc[v] += qd * load(kt + d * kBlock + v * W);
+  }
+  for (int64_t v = 0; v < kVecs; ++v) store(s + v * W, acc[v] * splat(p.scale));
+}
+
+// One query's logits and online-softmax update over the first `n` keys of a block
+// (st = m, l): leaves its weights p_j (times the value scales) in s[0, kBlock), zeros past
+// n, and returns alpha, the factor its acc must be rescaled by. kt: the transposed block,
+// or null (logits key by key).
+template <typename E>
+float softmax_block(const PagedParams& p, const Block<E>& b, int64_t n, const float* q,
+                    const float* kt, float* s, float* st) {
+  float top = -kInf;
+  if (kt != nullptr) logits_transposed(p, q, kt, s);
+  for (int64_t j = 0; j < n; ++j) {
+    if (kt == nullptr)
+      s[j] = b.k[j] == nullptr ? 0.f : p.scale * (b.ks[j] * dot(q, b.k[j], p.D));
+    top = std::max(top, s[j]);
+  }
+  for (int64_t j = n; j < kBlock; ++j) s[j] = -kInf;
+  const float m_new = std::max(st[0], top);
+  vf sum = splat(0.f);
+  for (int64_t j = 0; j < kBlock; j += W) {
+    const vf e = vexp(load(s + j) - splat(m_new));
+    store(s + j, e);
+    sum += e;
+  }
+  const float alpha = st[0] == -kInf ? 0.f : vexp(splat(st[0] - m_new))[0];
+  st[0] = m_new;
+  st[1] = st[1] * alpha + hsum(sum);
+  for (int64_t j = 0; j < n; ++j) s[j] *= b.vs[j];
+  return alpha;
+}
+
+// acc_i = alpha_i acc_i + sum_{j < n} s_i[j] v_j for Q queries: a vector of Dv at a time,
+// held in registers over the block's keys, each value vector loaded once for the Q.
+template <int Q, typename E>
+void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const* s,
+                const float* alpha, float* const* acc) {
+  int64_t c = 0;
+  for (; c + W <= p.Dv; c += W) {
+    vf a[Q];
+    for (int i = 0; i < Q; ++i) a[i] = load(acc[i] + c) * splat(alpha[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      if (b.v[j] == nullptr) continue;
+      const vf v = load(b.v[j] + c);
+      for (int i = 0; i < Q; ++i) a[i] += splat(s[i][j]) * v;
+    }
+    for (int i = 0; i < Q; ++i) store(acc[i] + c, a[i]);
+  }
+  for (; c < p.Dv; ++c)
+    for (int i = 0; i < Q; ++i) {
+      float a = acc[i][c] * alpha[i];
+      for (int64_t j = 0; j < n; ++j)
+        if (b.v[j] != nullptr) a += s[i][j] * static_cast<float>(b.v[j][c]);
+      acc[i][c] = a;
+    }
+}
+
+// The queries of one block awaiting their value accumulation, kQueries at a time.
+struct Pending {
+  float* s[kQueries];
+  float* acc[kQueries];
+  float alpha[kQueries];
+  int64_t seen[kQueries];
+  int count = 0;
+};
+
+template <typename E>
+void flush(const PagedParams& p, const Block<E>& b, Pending* w) {
+  if (w->count == kQueries) {
+    const int64_t n = *std::max_element(w->seen, w->seen + kQueries);
+    accumulate<kQueries>(p, b, n, w->s, w->alpha, w->acc);
+  } else {
+    for (int i = 0; i < w->count; ++i)
+      accumulate<1>(p, b, w->seen[i], w->s + i, w->alpha + i, w->acc + i);
+  }
+  w->count = 0;
+}
+
+// The output of one query from its state: acc / l, zeros where it saw nothing.
+inline void finish(const float* st, int64_t dv, float* o) {
+  if (!(st[1] > 0.f)) {
+    std::fill(o, o + dv, 0.f);
+    return;
+  }
+  const float inv = 1.f / st[1];
+  for (int64_t i = 0; i < dv; ++i) o[i] = st[2 + i] * inv;
+}
+
+template <typename E>
+void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
+  const int64_t group = p.H / p.K, r = it.row, stride = 2 + p.Dv;
+  const int64_t real = t.real[r], start = t.start[r];
+  float* s = scratch;                           // kQueries rows of kBlock weights
+  float* kt = scratch + kQueries * kBlock;      // D x kBlock: the transposed block
+  float* state = kt + p.D * kBlock;             // per query (t, head of the group): m, l, acc
+  const bool transpose = real * group >= kTransposeMinQueries;
+  for (int64_t i = 0; i < real * group; ++i) {
+    float* st = state + i * stride;
+    st[0] = -kInf;
+    std::fill(st + 1, st + stride, 0.f);
+  }
+  Block<E> b;
+  Pending w;
+  for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
+    const int64_t n = std::min(kBlock, it.key_end - first);
+    fill_block(p, t, r, it.head, first, n, &b);
+    if (transpose) transpose_block(p, b, n, kt);
+    for (int64_t tq = 0; tq < real; ++tq) {
+      const int64_t seen = p.causal ? std::min(n, start + tq + 1 - first) : n;
+      if (seen <= 0) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = t.q + ((r * p.T + tq) * p.H + it.head * group + g) * p.D;
+        float* st = state + (tq * group + g) * stride;
+        float* row = s + w.count * kBlock;
+        w.alpha[w.count] = softmax_block(p, b, seen, q, transpose ? kt : nullptr, row, st);
+        w.s[w.count] = row;
+        w.acc[w.count] = st + 2;
+        w.seen[w.count] = seen;
+        if (++w.count == kQueries) flush(p, b, &w);
+      }
+    }
+    flush(p, b, &w);
+  }
+  if (it.part >= 0) {
+    std::memcpy(t.part + it.part, state, sizeof(float) * real * group * stride);
+    return;
+  }
+  for (int64_t tq = 0; tq < p.T; ++tq)
+    for (int64_t g = 0; g < group; ++g) {
+      float* o = t.out + ((r * p.T + tq) * p.H + it.head * group + g) * p.Dv;
+      if (tq < real)
+        finish(state + (tq * group + g) * stride, p.Dv, o);
+      else
+        std::fill(o, o + p.Dv, 0.f);
+    }
+}
+
+// Row first.row's outputs on kv head first.head from the partials of the `splits`
+// consecutive items starting at `first` (an element of the handler's item array).
+void merge_item(const PagedParams& p, const PagedTensors& t, const PagedItem& first) {
+  const int64_t group = p.H / p.K, r = first.row, stride = 2 + p.Dv, real = t.real[r];
+  const PagedItem* items = &first;
+  for (int64_t tq = 0; tq < p.T; ++tq)
+    for (int64_t g = 0; g < group; ++g) {
+      float* o = t.out + ((r * p.T + tq) * p.H + first.head * group + g) * p.Dv;
+      std::fill(o, o + p.Dv, 0.f);
+      if (tq >= real) continue;
+      const int64_t at = (tq * group + g) * stride;
+      float top = -kInf, total = 0.f;
+      for (int64_t i = 0; i < first.splits; ++i) top = std::max(top, t.part[items[i].part + at]);
+      if (top == -kInf) continue;
+      for (int64_t i = 0; i < first.splits; ++i) {
+        const float* st = t.part + items[i].part + at;
+        const float w = st[0] == -kInf ? 0.f : std::exp(st[0] - top);
+        total += st[1] * w;
+        if (w > 0.f) axpy(o, w, st + 2, p.Dv);
+      }
+      if (total > 0.f) scale_by(o, 1.f / total, p.Dv);
+      else std::fill(o, o + p.Dv, 0.f);
+    }
+}
+
+int64_t scratch_floats(const PagedParams& p) {
+  return kQueries * kBlock + p.D * kBlock + (p.H / p.K) * p.T * (2 + p.Dv);
+}
+
+void item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
+  if (p.int8)
+    run_item<int8_t>(p, t, it, scratch);
+  else
+    run_item<float>(p, t, it, scratch);
+}
+
+}  // namespace
+
+const PagedIsa kPagedIsa = {JATTN_ISA_NAME, scratch_floats, item, merge_item};
+
+}  // namespace JATTN_ISA
+}  // namespace jattn
