@@ -63,11 +63,9 @@ SPLASH_MIN_Q_LEN = 128
 # path measured as fast or faster (CPU time, B=1 H=8 D=64: T=64 dense 0.16 ms vs 0.25
 # fused; T=128 0.89 vs 0.54).
 CPU_FUSED_MIN_KV_LEN = 128
-# ... and, not differentiated, at any key length for fewer queries than this (decoding: the
-# kernel's dot products against the keys in place; measured 2-6x faster than dense from 8
-# keys on, B=1 H=8 D=64 and B=16 H=4 D=32). Under reverse-mode autodiff such calls take
-# dense whatever the keys: the kernel's backward on so few queries measured 2-3x slower
-# (1-15 queries against 16-4096 keys).
+# ... except for fewer queries than this under reverse-mode autodiff: dense, whatever the
+# keys (the kernel's backward on so few queries measured 2-3x slower than dense, 1-15
+# queries against 16-4096 keys, B=1-2 H=8 D=64).
 CPU_FUSED_FEW_QUERIES = 16
 
 
@@ -498,8 +496,8 @@ def _pallas_pays(query, key, backend: str) -> bool:
 
 
 def _cpu_fused_pays(query, key, backend: str) -> bool:
-    if query.shape[-3] < CPU_FUSED_FEW_QUERIES:  # decoding, unless differentiated
-        return not any(_autodiff_kinds(x) for x in (query, key))
+    if query.shape[-3] < CPU_FUSED_FEW_QUERIES and any(_autodiff_kinds(x) for x in (query, key)):
+        return False
     return key.shape[-3] >= CPU_FUSED_MIN_KV_LEN
 
 
@@ -523,8 +521,9 @@ PAYS = {
 # * tpu: splash, from SPLASH_MIN_Q_LEN queries on, then jattn's Pallas kernel (Mosaic) for
 #   what splash lacks (dropout, bias, sinks, score_mod, mask_mod, return_residual).
 # * cpu (and any other backend): jattn's fused CPU kernel where it was built and takes the
-#   call, from CPU_FUSED_MIN_KV_LEN keys on (fewer than CPU_FUSED_FEW_QUERIES queries not
-#   differentiated: at any length); then jattn's own paths; never a kernel in interpret mode.
+#   call, from CPU_FUSED_MIN_KV_LEN keys on (not for fewer than CPU_FUSED_FEW_QUERIES
+#   queries under reverse-mode autodiff); then jattn's own paths; never a kernel in
+#   interpret mode.
 AUTO: dict[str, tuple[str, ...]] = {
     "gpu": ("cudnn", "pallas", "blockwise", "dense"),
     "tpu": ("splash", "pallas", "blockwise", "dense"),

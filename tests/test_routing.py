@@ -207,9 +207,9 @@ def test_cpu_rule_and_never_interprets(monkeypatch, interpret_mode):
 
 
 def test_cpu_rule_for_few_queries(monkeypatch):
-    """Fewer than CPU_FUSED_FEW_QUERIES queries (decoding) take the fused kernel at any key
-    length; under jax.grad they take dense (the kernel's backward on so few queries was
-    measured slower), whatever the keys."""
+    """Fewer than CPU_FUSED_FEW_QUERIES queries take the fused kernel from
+    CPU_FUSED_MIN_KV_LEN keys, as longer calls; under jax.grad they take dense (the
+    kernel's backward on so few queries was measured slower), whatever the keys."""
     on_backend(monkeypatch, "cpu")
     if not kernels.adapter("cpu_fused").available("cpu"):
         pytest.skip("the fused CPU kernel was not built")
@@ -219,20 +219,21 @@ def test_cpu_rule_for_few_queries(monkeypatch):
     long_k = qkv(t=300, dtype=jnp.float32)[1]
     for t_q in (1, few - 1):
         q = qkv(t=t_q, dtype=jnp.float32)[0]
-        assert route_of(monkeypatch, q, k, k) == "cpu_fused"
+        assert route_of(monkeypatch, q, k, k) == "dense"
+        assert route_of(monkeypatch, q, long_k, long_k) == "cpu_fused"
         names = []
 
-        def loss(x, keys, names=names):
-            names.append(route_of(monkeypatch, x, keys, keys))
+        def loss(x, names=names):
+            names.append(route_of(monkeypatch, x, long_k, long_k))
             return jnp.sum(x)
 
-        for keys in (k, long_k):
-            jax.grad(loss)(q, keys)
-        assert names == ["dense", "dense"]
-    # from CPU_FUSED_FEW_QUERIES queries on, the key length decides (as before)
+        jax.grad(loss)(q)
+        assert names == ["dense"]
+    # from CPU_FUSED_FEW_QUERIES queries on, differentiated calls take the kernel too
     q = qkv(t=few, dtype=jnp.float32)[0]
-    assert route_of(monkeypatch, q, k, k) == "dense"
-    assert route_of(monkeypatch, q, long_k, long_k) == "cpu_fused"
+    names = []
+    jax.grad(lambda x: names.append(route_of(monkeypatch, x, long_k, long_k)) or jnp.sum(x))(q)
+    assert names == ["cpu_fused"]
 
 
 def test_the_table_lists_every_backend_and_ends_with_dense():

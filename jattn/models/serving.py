@@ -214,9 +214,11 @@ def _step(
         block.att.cache = nnx.Cache(
             paged.PagedKVCache(k_pages, v_pages, table, lengths, *scales, blocks=blocks)
         )
-    # [B, T, V] -> [B, V]: the logits after each row's last real token
-    logits = model(tokens, deterministic=True, decode=True, num_new=num_new)
-    last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(num_new - 1, 0)]
+    # [B, V]: the logits after each row's last real token (the output head runs there only)
+    last = model(
+        tokens, deterministic=True, decode=True, num_new=num_new,
+        logits_at=jnp.maximum(num_new - 1, 0),
+    )  # fmt: skip
     if key is None:
         picked = jgen.sample_next(last)
     else:
