@@ -265,6 +265,7 @@ def _interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
     ``burst`` 1: one call per candidate a round (every call follows another candidate's,
     its weights and pages often out of the caches); more: ``burst`` consecutive calls per
     candidate a round, the first left out, as a serving loop runs one step after another.
+    Returns the medians and the last states (the steps donate theirs).
     """
     states = {k: step(state) for k, (step, state) in steps.items()}  # compile, warm up
     jax.block_until_ready(states)
@@ -277,7 +278,7 @@ def _interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
                 jax.block_until_ready(states[k])
                 if burst == 1 or i > 0:
                     times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, states
 
 
 def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int):
@@ -355,7 +356,9 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
         steps[("table", fill)] = (table_call, pools())
         steps[("contiguous", fill)] = (contiguous, caches)
         steps[("layer", fill)] = (layer_call, empty)
-    return _interleaved_medians(steps, repeats), _interleaved_medians(steps, repeats, BURST)
+    single, states = _interleaved_medians(steps, repeats)
+    steps = {k: (step, states[k]) for k, (step, _) in steps.items()}
+    return single, _interleaved_medians(steps, repeats, BURST)[0]
 
 
 def book_qwen3(cfg, prompts, max_new, batch: int):

@@ -330,6 +330,8 @@ FUSED_CASES = [  # (page, chunk, causal, int8, starts, num_new)
     (4, 40, False, True, [10, 0], [40, 33]),  # not causal, int8, two blocks of queries
     (16, 5, True, True, [0, 40, 18], [5, 2, 1]),  # int8 pages
     (16, 1, True, False, [1100, 30], [1, 1]),  # a row over three key splits (512 each)
+    (16, 1, True, False, [600, 512], [1, 1]),  # one item past the split size (no split)
+    (16, 24, True, False, [520, 3], [24, 2]),  # a chunk whose keys pass 512, one item
     (16, 5, False, True, [1300, 2], [4, 5]),  # splits, GQA chunk, int8, not causal
 ]
 

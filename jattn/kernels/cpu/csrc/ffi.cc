@@ -606,7 +606,9 @@ std::vector<PagedItem> paged_items(const PagedParams& p, const std::vector<int32
           part = *part_floats;
           *part_floats += real[r] * (p.H / p.K) * stride;
         }
-        items.push_back({r, g, i * split, std::min(end, (i + 1) * split), part, splits});
+        // one item takes the whole row (not its first split's keys alone)
+        const int64_t key_end = splits == 1 ? end : std::min(end, (i + 1) * split);
+        items.push_back({r, g, i * split, key_end, part, splits});
       }
   }
   return items;
