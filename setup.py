@@ -38,8 +38,10 @@ setup(
             "jattn.kernels.cpu._jattn_cpu",
             sources=SOURCES,
             include_dirs=[CSRC, f"{CSRC}/vendor"],
-            depends=[f"{CSRC}/{name}" for name in ("attention.h", "attention_impl.h", "paged.h",
-                                                  "paged_impl.h")],
+            depends=[
+                f"{CSRC}/{name}"
+                for name in ("attention.h", "attention_impl.h", "simd.h", "paged.h", "paged_impl.h")
+            ],
             language="c++",
             optional=True,
         )

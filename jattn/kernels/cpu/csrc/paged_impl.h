@@ -36,54 +36,12 @@ constexpr int64_t kTransposeMinQueries = 4;
 constexpr int kQueries = 4;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef int8_t vb __attribute__((vector_size(W), aligned(1)));
 
-inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+#include "simd.h"
+
 inline vf load(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const vb*>(p), vf);
-}
-inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
-inline vf splat(float x) { return vf{} + x; }
-
-template <int K, int... U>
-inline vf rotate_lanes(vf x, std::integer_sequence<int, U...>) {
-  return __builtin_shufflevector(x, x, ((U + K) % W)...);
-}
-
-template <int K>
-inline vf rotate(vf x) {
-  return rotate_lanes<K>(x, std::make_integer_sequence<int, W>{});
-}
-
-inline float hsum(vf x) {  // a tree: log2(W) dependent steps
-  if constexpr (W >= 16) x += rotate<8>(x);
-  if constexpr (W >= 8) x += rotate<4>(x);
-  x += rotate<2>(x);
-  x += rotate<1>(x);
-  return x[0];
-}
-
-// exp(x) to about 1 ulp (Cephes' expf polynomial, as attention_impl.h); 0 below -87.
-inline vf vexp(vf x) {
-  vf xc = x < splat(-87.f) ? splat(-87.f) : x;
-  xc = xc > splat(88.f) ? splat(88.f) : xc;
-  const vf magic = splat(12582912.f);
-  vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
-  vf r = xc - n * splat(0.693359375f);
-  r = r + n * splat(2.12194440e-4f);
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * (r * r) + r + splat(1.f);
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf result = y * (vf)bits;
-  return x < splat(-87.f) ? splat(0.f) : result;
 }
 
 template <typename E>

@@ -1,0 +1,78 @@
+// Vector helpers the kernels of one instruction set share (attention_impl.h, paged_impl.h),
+// written with GCC/Clang vector extensions. Include inside the ISA's namespace, with W (floats
+// per vector) defined; JATTN_SCALEF (AVX-512) takes exp's power of two from vscalefps.
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef int32_t viu __attribute__((vector_size(W * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+inline vi loadi(const int32_t* p) { return *reinterpret_cast<const viu*>(p); }
+inline vf splat(float x) { return vf{} + x; }
+inline vi splati(int32_t x) { return vi{} + x; }
+
+inline vi iota() {
+  vi r;
+  for (int i = 0; i < W; ++i) r[i] = i;
+  return r;
+}
+
+// x with its lanes rotated by K (lane u takes lane u + K mod W).
+template <int K, int... U>
+inline vf rotate_lanes(vf x, std::integer_sequence<int, U...>) {
+  return __builtin_shufflevector(x, x, ((U + K) % W)...);
+}
+
+template <int K>
+inline vf rotate(vf x) {
+  return rotate_lanes<K>(x, std::make_integer_sequence<int, W>{});
+}
+
+// Horizontal max and sum as trees (log2(W) dependent steps, not W).
+inline float hmax(vf x) {
+  if constexpr (W >= 16) x = x > rotate<8>(x) ? x : rotate<8>(x);
+  if constexpr (W >= 8) x = x > rotate<4>(x) ? x : rotate<4>(x);
+  x = x > rotate<2>(x) ? x : rotate<2>(x);
+  x = x > rotate<1>(x) ? x : rotate<1>(x);
+  return x[0];
+}
+
+inline float hsum(vf x) {
+  if constexpr (W >= 16) x += rotate<8>(x);
+  if constexpr (W >= 8) x += rotate<4>(x);
+  x += rotate<2>(x);
+  x += rotate<1>(x);
+  return x[0];
+}
+
+// exp(x) to about 1 ulp (Cephes' expf polynomial); exactly 0 below -87 (and for -inf).
+// With AVX-512 the power of two is applied by vscalefps (one instruction for the shifts and
+// the product; beyond 88 it gives inf by itself, so no upper clamp is needed).
+inline vf vexp(vf x) {
+  vf xc = x < splat(-87.f) ? splat(-87.f) : x;
+#if !JATTN_SCALEF
+  xc = xc > splat(88.f) ? splat(88.f) : xc;
+#endif
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  vf r = xc - n * splat(0.693359375f);
+  r = r + n * splat(2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+#if JATTN_SCALEF
+  vf result = _mm512_scalef_ps(y, n);  // y * 2^n
+#else
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf result = y * (vf)bits;  // the bits of 2^n
+#endif
+  return x < splat(-87.f) ? splat(0.f) : result;
+}
+
