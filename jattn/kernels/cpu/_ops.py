@@ -139,17 +139,18 @@ class Static:
 ROW_SKEW = 16
 
 
-def transposed(x: Array, block: int) -> Array:
-    """``[batch..., Tk, K, E] -> [batch..., K, E, Tkp]``, zero-padded to ``Tkp``: a multiple of
-    ``block``, plus :data:`ROW_SKEW`.
+def transposed_shape(x_shape: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """The shape of the transposed copy the kernel makes of ``[batch..., Tk, K, E]`` keys
+    (or values): ``[batch..., K, E, Tkp]``, ``Tkp`` a multiple of ``block`` plus
+    :data:`ROW_SKEW`.
 
     The kernel's products against keys read K^T (and the backward's V^T) tiles from this
-    one transposed copy instead of transposing every tile.
+    one copy instead of transposing every tile. The kernel writes it, on its workers, into a
+    result XLA allocates (a workspace the caller drops): XLA's own transpose ran on one
+    thread, a tenth of the forward on two.
     """
-    tk = x.shape[-3]
-    x = jnp.moveaxis(x, -3, -1)
-    pad = -tk % block + ROW_SKEW
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    *batch, tk, kh, e = x_shape
+    return (*batch, kh, e, tk + (-tk % block) + ROW_SKEW)
 
 
 def _varying_axes(*xs) -> frozenset:
@@ -174,17 +175,18 @@ def _forward_call(q, k, v, aux: Aux, static: Static):
         raise RuntimeError(f"jattn's fused CPU kernel is {_library.status()}")
     *batch, tq, h, _ = q.shape
     dv = v.shape[-1]
+    if q.shape[-3] >= TRANSPOSE_MIN_QUERIES:
+        kt_shape = transposed_shape(k.shape, static.block_k)
+    else:  # decoding: the kernel reads the keys in place (a copy would cost more than it saves)
+        kt_shape = (*batch, 1)
     out_types = (
         jax.ShapeDtypeStruct((*batch, tq, h, dv), jnp.float32),
         jax.ShapeDtypeStruct((*batch, h, tq), jnp.float32),
+        jax.ShapeDtypeStruct(kt_shape, jnp.float32),  # the kernel's workspace
     )
     call = jax.ffi.ffi_call(_library.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    if q.shape[-3] >= TRANSPOSE_MIN_QUERIES:
-        kt = transposed(k, static.block_k)
-    else:  # decoding: the kernel reads the keys in place (a copy would cost more than it saves)
-        kt = jnp.zeros((*batch, 1), jnp.float32)
-    results = call(q, k, v, kt, *aux, **static.attributes(backward=False))
-    return _vary(results, _varying_axes(q, k, v, aux))
+    out, lse, _ = call(q, k, v, *aux, **static.attributes(backward=False))
+    return _vary((out, lse), _varying_axes(q, k, v, aux))
 
 
 def attention(q: Array, k: Array, v: Array, aux: Aux, static: Static) -> tuple[Array, Array]:
@@ -220,11 +222,12 @@ def _attention_bwd(static: Static, residuals, cotangents):
         jax.ShapeDtypeStruct(v.shape, jnp.float32),
         jax.ShapeDtypeStruct(slope_rows, jnp.float32),
         jax.ShapeDtypeStruct(bias_rows, jnp.float32),
-    )
+        jax.ShapeDtypeStruct(transposed_shape(k.shape, static.block_k), jnp.float32),
+        jax.ShapeDtypeStruct(transposed_shape(v.shape, static.block_k), jnp.float32),
+    )  # the last two: the kernel's workspace, K^T and V^T
     call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-    kt, vt = transposed(k, static.block_k), transposed(v, static.block_k)
-    results = call(
-        q, k, v, kt, vt, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
+    *results, _, _ = call(
+        q, k, v, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
         aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
         aux.mask, aux.blocks, aux.tile_mask, **static.attributes(backward=True),
         dbias_mode=np.int64(mode),

@@ -56,7 +56,7 @@ struct Tensors {
   const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
-  const float* kt = nullptr;  // [B, K, D, Tkp]: the keys transposed (XLA did it), zero-padded
+  const float* kt = nullptr;  // [B, K, D, Tkp]: the keys transposed (ffi.cc did it), zero-padded
   const float* vt = nullptr;  // [B, K, Dv, Tkp]: the values transposed (backward only)
   const int32_t* q_len = nullptr;
   const int32_t* kv_len = nullptr;

@@ -455,14 +455,23 @@ inline vf bias_vec(const Params& p, const float* brow, int64_t c, int64_t nk) {
   return x;
 }
 
+// The scale and whether the logits are soft-capped, read once into registers (p's floats
+// would be read again after every store to a row of floats: they might alias).
+struct LogitScale {
+  float scale;
+  bool capped;
+};
+
+inline LogitScale logit_scale(const Params& p) { return {p.scale, p.softcap != 0.f}; }
+
 // Columns c ... c + W - 1 of one row's logits from its products s (key j0 on): scaled and
 // ALiBi-biased (or soft-capped before, by softcap_logits), then the bias (brow, null: none).
 // Read where they are used, so the row is not rewritten before its max and exp passes.
-inline vf logits(const Params& p, const float* s, int64_t c, const RowAlibi& ra,
-                 const float* brow, int64_t nk, int64_t j0) {
+inline vf logits(const Params& p, const LogitScale& ls, const float* s, int64_t c,
+                 const RowAlibi& ra, const float* brow, int64_t nk, int64_t j0) {
   vf x = load(s + c);
-  if (p.softcap == 0.f) {
-    x *= splat(p.scale);
+  if (!ls.capped) {
+    x *= splat(ls.scale);
     if (ra.on) x += splat(ra.slope) * alibi_distance(ra, j0 + c);
   }
   return brow == nullptr ? x : x + bias_vec(p, brow, c, nk);
@@ -516,6 +525,74 @@ inline Blocks blocks(const Params& p) {
 // The rows' passes run side by side so that their exp chains overlap (one row at a time
 // left the vector units waiting on each exp's latency, about a quarter of the forward);
 // each row's arithmetic and order are a lone row's, so R does not change a bit.
+// Whether R rows' logits over ncols columns are their products times a positive scale and
+// nothing else: every column visible, no soft-capping, ALiBi, bias or mask. Rounding is
+// monotone, so then max(s * scale) is max(s) * scale bit for bit: the max pass only reads
+// s, and the exp pass scales as it reads (the bits of the general passes, fewer stores).
+template <int R>
+inline bool plain_rows(const Params& p, const RowMask* rm, const RowAlibi* ra,
+                       const float* const* brow, int64_t ncols) {
+  if (p.softcap != 0.f || !(p.scale > 0.f)) return false;
+  for (int r = 0; r < R; ++r)
+    if (rm[r].use_seg || rm[r].mrow != nullptr || rm[r].cl > 0 || rm[r].ch < ncols ||
+        ra[r].on || brow[r] != nullptr)
+      return false;
+  return true;
+}
+
+// The running max's candidates of R rows: their logits' maxima (the logits written over
+// the products, -inf where masked), or in the plain case the products' maxima, scaled.
+template <int R>
+inline void rows_max(const Params& p, bool plain, float* const* s, int64_t ncols, int64_t nk,
+                     const RowMask* rm, const int32_t* kseg, const RowAlibi* ra,
+                     const float* const* brow, int64_t j0, float* row_max) {
+  const LogitScale ls = logit_scale(p);  // in registers: the stores to s may alias p
+  vf vmax[R];
+  for (int r = 0; r < R; ++r) vmax[r] = splat(-kInf);
+  if (plain) {
+    for (int64_t c = 0; c < ncols; c += W)
+      JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+        vf x = load(s[r] + c);
+        vmax[r] = vmax[r] > x ? vmax[r] : x;
+      }
+    for (int r = 0; r < R; ++r) row_max[r] = hmax(vmax[r]) * ls.scale;
+    return;
+  }
+  for (int64_t c = 0; c < ncols; c += W)
+    JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+      vf x = visible(rm[r], c, kseg) ? logits(p, ls, s[r], c, ra[r], brow[r], nk, j0)
+                                     : splat(-kInf);
+      store(s[r] + c, x);
+      vmax[r] = vmax[r] > x ? vmax[r] : x;
+    }
+  for (int r = 0; r < R; ++r) row_max[r] = hmax(vmax[r]);
+}
+
+// P = exp(logits - mv) in place over R rows (the logits scaled as they are read when
+// kPlain), kDrop: dropout applied; the rows' sums of the weights before dropout into sum.
+template <int R, bool kPlain, bool kDrop>
+inline void rows_exp(float scale, float* const* s, int64_t ncols, const vf* mv,
+                     const RowDropout* rd, int64_t j0, float* sum) {
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vf{};
+  const vf sc = splat(scale);
+  for (int64_t c = 0; c < ncols; c += W)
+    JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+      vf x = load(s[r] + c);
+      if constexpr (kPlain) x *= sc;
+      vf e = vexp(x - mv[r]);
+      acc[r] += e;  // the normaliser counts every weight; dropout drops from the values' sum
+      if constexpr (kDrop) e *= dropout_factor(rd[r], j0 + c);
+      store(s[r] + c, e);
+    }
+  for (int r = 0; r < R; ++r) sum[r] = hsum(acc[r]);
+}
+
+// R rows of the online softmax, interleaved: each row's logits s[r] (ncols) become P in
+// place; m, l and the output rows o[r] (length dv) are updated for the new running max.
+// The rows' passes run side by side so that their exp chains overlap (one row at a time
+// left the vector units waiting on each exp's latency, about a quarter of the forward);
+// each row's arithmetic and order are a lone row's, so R does not change a bit.
 template <int R>
 inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_t nk,
                          const RowMask* rm, const int32_t* kseg, const RowDropout* rd,
@@ -523,33 +600,28 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
                          float* l, float* const* o, int64_t dv) {
   if (p.softcap != 0.f)
     for (int r = 0; r < R; ++r) softcap_logits(p, s[r], ncols, nullptr);
-  vf vmax[R];
-  for (int r = 0; r < R; ++r) vmax[r] = splat(-kInf);
-  for (int64_t c = 0; c < ncols; c += W)
-    JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-      vf x = visible(rm[r], c, kseg) ? logits(p, s[r], c, ra[r], brow[r], nk, j0) : splat(-kInf);
-      store(s[r] + c, x);
-      vmax[r] = vmax[r] > x ? vmax[r] : x;
-    }
-  float m_new[R];
-  vf mv[R], sum[R];
+  const bool plain = plain_rows<R>(p, rm, ra, brow, ncols);
+  float m_new[R], sum[R];
+  rows_max<R>(p, plain, s, ncols, nk, rm, kseg, ra, brow, j0, m_new);
+  vf mv[R];
   for (int r = 0; r < R; ++r) {
-    m_new[r] = std::max(m[r], hmax(vmax[r]));
+    m_new[r] = std::max(m[r], m_new[r]);
     // nothing visible in this row yet: every logit is -inf and exp(-inf - 0) writes P = 0
     mv[r] = splat(m_new[r] == -kInf ? 0.f : m_new[r]);
-    sum[r] = vf{};
   }
-  for (int64_t c = 0; c < ncols; c += W)
-    JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-      vf e = vexp(load(s[r] + c) - mv[r]);
-      sum[r] += e;  // the normaliser counts every weight; dropout drops from the values' sum
-      store(s[r] + c, rd[r].on ? e * dropout_factor(rd[r], j0 + c) : e);
-    }
+  RowDropout drop[R];  // local copies, kept in registers across the stores to s
+  for (int r = 0; r < R; ++r) drop[r] = rd[r];
+  if (plain)
+    drop[0].on ? rows_exp<R, true, true>(p.scale, s, ncols, mv, drop, j0, sum)
+               : rows_exp<R, true, false>(p.scale, s, ncols, mv, drop, j0, sum);
+  else
+    drop[0].on ? rows_exp<R, false, true>(p.scale, s, ncols, mv, drop, j0, sum)
+               : rows_exp<R, false, false>(p.scale, s, ncols, mv, drop, j0, sum);
   for (int r = 0; r < R; ++r) {
     if (m_new[r] == -kInf) continue;  // m, l and o stay as they are
     // exp(0) is exactly 1: a row whose max did not move skips the exp
     float alpha = m[r] == -kInf ? 0.f : m[r] == m_new[r] ? 1.f : vexp(splat(m[r] - m_new[r]))[0];
-    l[r] = l[r] * alpha + hsum(sum[r]);
+    l[r] = l[r] * alpha + sum[r];
     if (alpha != 1.f)
       for (int64_t d = 0; d < dv; ++d) o[r][d] *= alpha;
     m[r] = m_new[r];
@@ -726,8 +798,9 @@ inline void probabilities_row(const Params& p, float* s, int64_t ncols, int64_t 
                               const RowAlibi& ra, const float* brow, int64_t j0) {
   if (p.softcap != 0.f) softcap_logits(p, s, ncols, t);
   const vf lv = splat(lse);
+  const LogitScale ls = logit_scale(p);
   for (int64_t c = 0; c < ncols; c += W) {
-    vf x = visible(rm, c, kseg) ? logits(p, s, c, ra, brow, nk, j0) - lv : splat(-kInf);
+    vf x = visible(rm, c, kseg) ? logits(p, ls, s, c, ra, brow, nk, j0) - lv : splat(-kInf);
     store(s + c, vexp(x));
   }
 }

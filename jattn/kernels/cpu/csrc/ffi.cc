@@ -130,6 +130,36 @@ int64_t worker_count(ffi::ThreadPool& pool, int64_t max_threads) {
   return max_threads > 0 ? std::min(available, max_threads) : available;
 }
 
+// One key tile of x [B, Tk, K, E] transposed into xt [B, K, E, Tkp] (item: b, kv head, tile
+// of bk keys; the last tile also zero-fills the columns past Tk). The kernels read their
+// tile products' K^T (and the backward's V^T) from this copy, made here in parallel: XLA's
+// transpose of the same copy ran on one thread, 6 ms of a 60 ms forward at T = 4096.
+void transpose_tile(const Params& p, const float* x, int64_t e, float* xt, int64_t item) {
+  const int64_t nkb = (p.Tk + p.bk - 1) / p.bk, kb = item % nkb, bkh = item / nkb;
+  const int64_t b = bkh / p.K, kh = bkh % p.K, j0 = kb * p.bk;
+  const int64_t j1 = kb == nkb - 1 ? p.Tkp : j0 + p.bk, stride = p.K * e;
+  const float* src = x + (b * p.Tk * p.K + kh) * e;
+  float* dst = xt + bkh * e * p.Tkp;
+  constexpr int64_t kRows = 16;  // keys per pass: each row of xt gets a whole cache line
+  for (int64_t j = j0; j < j1; j += kRows) {
+    const int64_t n = std::min(kRows, std::min(j1, p.Tk) - j);  // keys left (<= 0: padding)
+    for (int64_t d = 0; d < e; ++d) {
+      float* row = dst + d * p.Tkp + j;
+      const int64_t m = std::min(kRows, j1 - j);
+      for (int64_t u = 0; u < m; ++u) row[u] = u < n ? src[(j + u) * stride + d] : 0.f;
+    }
+  }
+}
+
+// x [batch..., Tk, K, e] into xt [batch..., K, e, Tkp] on the workers.
+void transpose_keys(ffi::ThreadPool& pool, int64_t threads, const Params& p, const float* x,
+                    int64_t e, float* xt) {
+  const int64_t items = p.B * p.K * ((p.Tk + p.bk - 1) / p.bk);
+  if (items > 0)
+    parallel_for(pool, items, threads, 0,
+                 [&](int64_t item, float*) { transpose_tile(p, x, e, xt, item); });
+}
+
 // [batch..., T, heads, dim] -> (prod(batch), T, heads, dim).
 void dims4(ffi::Span<const int64_t> d, int64_t* b, int64_t* t, int64_t* h, int64_t* e) {
   int64_t r = static_cast<int64_t>(d.size());
@@ -280,7 +310,7 @@ ffi::Error bias_and_mask(ffi::Span<const int64_t> qd, ffi::Buffer<ffi::F32>& bia
 // The operands the forward and backward handlers share, pointed at by t (lay owns the
 // bias's, mask's and block states' per-batch-row offsets).
 struct SharedOperands {
-  ffi::Buffer<ffi::F32>&q, &k, &v, &kt;
+  ffi::Buffer<ffi::F32>&q, &k, &v;
   ffi::Buffer<ffi::S32>&q_len, &kv_len, &q_seg, &kv_seg;
   ffi::Buffer<ffi::U32>&drop_k0, &drop_k1, &drop_threshold;
   ffi::Buffer<ffi::F32>&drop_scale, &slopes, &bias;
@@ -294,7 +324,6 @@ ffi::Error shared_operands(const SharedOperands& a, Params* p, Tensors* t, Layou
   t->q = a.q.typed_data();
   t->k = a.k.typed_data();
   t->v = a.v.typed_data();
-  t->kt = a.kt.dimensions().size() == a.q.dimensions().size() ? a.kt.typed_data() : nullptr;
   t->q_len = a.q_len.typed_data();
   t->kv_len = a.kv_len.typed_data();
   t->q_seg = a.q_seg.typed_data();
@@ -312,7 +341,7 @@ ffi::Error shared_operands(const SharedOperands& a, Params* p, Tensors* t, Layou
 }
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::S32> q_len,
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> sinks,
                    ffi::Buffer<ffi::U32> drop_k0, ffi::Buffer<ffi::U32> drop_k1,
@@ -325,16 +354,17 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    int64_t has_sinks, int64_t has_dropout, int64_t alibi, int64_t has_bias,
                    int64_t has_mask, int64_t has_blocks, int64_t block_mask_q,
                    int64_t block_mask_k, int64_t block_q, int64_t block_k, int64_t max_threads,
-                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                   ffi::ResultBuffer<ffi::F32> kt) {
   Params p;
-  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
+  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt->dimensions(),
                                scale, softcap,
                                causal, window_left, window_right, has_seg, has_sinks,
                                has_dropout, alibi, block_q, block_k, &p);
   if (err.failure()) return err;
   Tensors t;
   Layouts lay;
-  err = shared_operands({q, k, v, kt, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
+  err = shared_operands({q, k, v, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
                          drop_threshold, drop_scale, slopes, bias, mask, blocks, tile_mask,
                          has_bias, has_mask, has_blocks, block_mask_q, block_mask_k},
                         &p, &t, &lay);
@@ -346,6 +376,12 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   const Isa& k_isa = isa();
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, threads = worker_count(pool, max_threads);
   const int64_t scratch = k_isa.scratch_floats(p);
+  // kt [batch..., K, D, Tkp], the keys transposed here, or a placeholder of another rank
+  // (a few queries: the kernel reads the keys in place).
+  if (kt->dimensions().size() == q.dimensions().size()) {
+    transpose_keys(pool, threads, p, t.k, p.D, kt->typed_data());
+    t.kt = kt->typed_data();
+  }
   p.split_k = p.Tq <= kSplitMaxQueries && p.Tk >= 2 * kSplitKeys && kSplitKeys % p.bk == 0
                   ? kSplitKeys
                   : 0;
@@ -367,8 +403,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> kt, ffi::Buffer<ffi::F32> vt,
-                    ffi::Buffer<ffi::S32> q_len,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_len,
                     ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
                     ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> dout,
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
@@ -384,21 +419,21 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     int64_t dbias_mode, int64_t block_q, int64_t block_k, int64_t max_threads,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dslope,
-                    ffi::ResultBuffer<ffi::F32> dbias) {
+                    ffi::ResultBuffer<ffi::F32> dbias, ffi::ResultBuffer<ffi::F32> kt,
+                    ffi::ResultBuffer<ffi::F32> vt) {
   Params p;
-  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt.dimensions(),
+  ffi::Error err = make_params(q.dimensions(), k.dimensions(), v.dimensions(), kt->dimensions(),
                                scale, softcap,
                                causal, window_left, window_right, has_seg, 0, has_dropout,
                                alibi, block_q, block_k, &p);
   if (err.failure()) return err;
   Tensors t;
   Layouts lay;
-  err = shared_operands({q, k, v, kt, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
+  err = shared_operands({q, k, v, q_len, kv_len, q_seg, kv_seg, drop_k0, drop_k1,
                          drop_threshold, drop_scale, slopes, bias, mask, blocks, tile_mask,
                          has_bias, has_mask, has_blocks, block_mask_q, block_mask_k},
                         &p, &t, &lay);
   if (err.failure()) return err;
-  t.vt = vt.typed_data();
   t.dout = dout.typed_data();
   t.lse = lse.typed_data();
   t.delta = delta.typed_data();
@@ -411,6 +446,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   const Isa& k_isa = isa();
   const int64_t threads = worker_count(pool, max_threads), scratch = k_isa.scratch_floats(p);
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, nkb = (p.Tk + p.bk - 1) / p.bk;
+  const auto ktd = kt->dimensions(), vtd = vt->dimensions(), qd = q.dimensions();
+  if (ktd.size() != qd.size() || vtd.size() != qd.size() || vtd.back() != p.Tkp)
+    return ffi::Error::InvalidArgument("jattn cpu attention: the backward needs kt and vt");
+  transpose_keys(pool, threads, p, t.k, p.D, kt->typed_data());  // K^T and V^T, made here
+  transpose_keys(pool, threads, p, t.v, p.Dv, vt->typed_data());
+  t.kt = kt->typed_data();
+  t.vt = vt->typed_data();
   if (single_pass_backward(p.B * p.K, threads)) {  // one pass per pair, dQ in place
     if (p.B * p.K * (p.Tq + p.Tk) > 0)
       parallel_for(pool, p.B * p.K, threads, scratch, [&](int64_t item, float* s) {
@@ -439,7 +481,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kt
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
@@ -472,7 +513,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionForward, jattn::Forward,
                                   .Attr<int64_t>("block_k")
                                   .Attr<int64_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // kt (workspace)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                               ffi::Ffi::Bind()
@@ -480,8 +522,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kt
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // vt
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
@@ -519,7 +559,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JattnCpuAttentionBackward, jattn::Backward,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dk
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dslope
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dbias
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dbias
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // kt (workspace)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // vt (workspace)
 
 extern "C" {
 __attribute__((visibility("default"))) const char* jattn_cpu_isa() {
