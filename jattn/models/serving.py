@@ -508,8 +508,8 @@ class _Server:
         """The slots whose next prompt chunk runs in this prefill step: the first requests
         (in arrival order) still prefilling, at most the largest row count; a request that
         starts here looks its shared prefix up now, not at admission (an earlier
-        request's prefill has run by now), unless it waits for one (
-        :meth:`_waits_for_prefix`)."""
+        request's prefill has run by now), unless it waits for pages another request is
+        still writing (:meth:`_waits_for_prefix`)."""
         candidates = sorted(
             (r.index, s)
             for s, r in enumerate(self.slots)
