@@ -56,10 +56,12 @@ __all__ = ["ServingStats", "generate_many"]
 Array = jax.Array
 
 # generate_many's default cap on the prompts prefilled together in one step. Measured on
-# benchmarks/bench_serving.py (16 slots, one core): 16 rows ran the workload in 0.87x the
-# time of one prompt per step, 8 rows in 0.94x; prefilling every prompt to its end before
-# each decoding step (0.86x) was no faster than one prefill step per decoding step.
-PREFILL_ROWS = 16
+# benchmarks/bench_serving.py (16 slots, one core, 9 rounds in rotated order): the run
+# took 0.98x the time of one prompt per step with 4 rows, 1.00x with 16 (within the
+# noise); prefilling every prompt to its end before each decoding step was no faster.
+# Prefill steps are compute-bound there, so rows share little more than the call; 4 rows
+# keep the padding and the number of compiled shapes small.
+PREFILL_ROWS = 4
 
 
 class ServingStats(NamedTuple):
