@@ -6,24 +6,28 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
 * a fixed number of **slots** decode together, one token per slot per step;
 * a request that ends (``max_new_tokens`` reached, or its next token is an ``eos_id``)
   frees its slot and its pages at once, and the first waiting request takes the slot;
-* a new request's prompt is **prefilled in chunks** of ``prefill_chunk`` tokens, one chunk
-  between two decoding steps of the others, so the running requests keep decoding;
+* new requests' prompts are **prefilled in chunks** of ``prefill_chunk`` tokens between
+  two decoding steps of the others, so the running requests keep decoding; the next chunk
+  of every prompt still prefilling (up to ``prefill_rows``) runs in one ``[rows,
+  prefill_chunk]`` step, so a burst of new requests costs a few calls, not one per chunk;
 * the keys and values live in a :class:`jattn.paged.PagedKVCache` per layer: pages are
   taken from a free list as a request's tokens arrive and given back when it ends, so the
   memory held follows the tokens held; with ``share_prefixes`` a request whose prompt
   starts with full pages another live request already wrote reuses those pages (reference
-  counts) and prefills only the rest.
+  counts) and prefills only the rest; a request that could share pages another request
+  is still writing waits for them rather than writing its own copy.
 
 **Fixed shapes.** Two programs run: a decoding step on ``[slots, 1]`` tokens and a prefill
-chunk on ``[1, prefill_chunk]``. On CPU with jattn's fused kernel
+step on ``[rows, prefill_chunk]``, ``rows`` a power of two or ``prefill_rows`` (the rows
+past the prompts prefilling are padding that reads and writes nothing). On CPU with jattn's fused kernel
 (:func:`jattn.paged.fused`) a decoding step reads each slot's pages in place up to its
 length (:func:`jattn.kernels.cpu.paged_attention`) over the whole page table, one shape;
 without it, it attends over a work list of key blocks (:func:`jattn.paged.block_list`:
 each slot's blocks up to its length, padded to one of a few counts). Either way its cost
-follows the tokens the slots hold, not ``slots`` times the longest of them; a prefill chunk attends over a page-table width taken from a few
-buckets (powers of two of pages), the smallest that holds its row. So the number of
-compilations is bounded by the number of counts and widths, whatever the number of
-requests.
+follows the tokens the slots hold, not ``slots`` times the longest of them; a prefill step attends over a page-table width taken from a few
+buckets (powers of two of pages), the smallest that holds its longest row. So the number
+of compilations is bounded by the number of counts, row counts and widths, whatever the
+number of requests.
 
 Admission reserves, for every running request, the pages it may still need, so the pool
 never runs dry mid-request (no preemption is needed); pages themselves are only taken when
@@ -51,25 +55,37 @@ __all__ = ["ServingStats", "generate_many"]
 
 Array = jax.Array
 
+# generate_many's default cap on the prompts prefilled together in one step. Measured on
+# benchmarks/bench_serving.py (16 slots, one core, 9 rounds in rotated order): the run
+# took 0.98x the time of one prompt per step with 4 rows, 1.00x with 16 (within the
+# noise); prefilling every prompt to its end before each decoding step was no faster.
+# Prefill steps are compute-bound there, so rows share little more than the call; 4 rows
+# keep the padding and the number of compiled shapes small.
+PREFILL_ROWS = 4
+
 
 class ServingStats(NamedTuple):
     """What a :func:`generate_many` run did (from ``return_stats=True``).
 
     Attributes:
       decode_steps: decoding steps run (each one token for every decoding slot).
-      prefill_chunks: prefill chunks run.
+      prefill_chunks: prefill chunks run (one prompt's ``prefill_chunk`` tokens each).
+      prefill_steps: prefill steps run (calls; each runs the chunks of up to
+        ``prefill_rows`` prompts together).
       peak_pages: the most pages held at once.
       mean_pages: pages held, averaged over the steps.
       num_pages: pages in the pool.
       page_size: positions per page.
       shared_pages: page references taken from another request's prompt (prefix sharing).
       programs: the step shapes run, ``(rows, tokens, n)`` each: ``(slots, 1, n)`` a
-        decoding step over ``n`` key blocks (or ``n`` pages through the fused kernel), ``(1, prefill_chunk, n)`` a prefill chunk over
-        ``n`` pages; one compilation each.
+        decoding step over ``n`` key blocks (or ``n`` pages through the fused kernel),
+        ``(rows, prefill_chunk, n)`` a prefill step of ``rows`` rows (a power of two or
+        ``prefill_rows``) over ``n`` pages; one compilation each.
     """
 
     decode_steps: int
     prefill_chunks: int
+    prefill_steps: int
     peak_pages: int
     mean_pages: float
     num_pages: int
@@ -306,6 +322,14 @@ class _Request:
     pages: int = 0  # pages in its table (owned or shared)
 
 
+def _common_pages(prompt: np.ndarray, other: np.ndarray, size: int) -> int:
+    """Leading full pages of ``prompt`` it could share (keeping one token to prefill) that
+    hold the same tokens as ``other``'s."""
+    n = min(((prompt.size - 1) // size) * size, other.size)
+    differ = np.flatnonzero(prompt[:n] != other[:n])
+    return (int(differ[0]) if differ.size else n) // size
+
+
 def _need(req: _Request, size: int) -> int:
     """Pages a request holds when it ends (prompt + new tokens - 1 positions)."""
     return paged.pages_needed(req.prompt.size + req.max_new - 1, size)
@@ -315,8 +339,9 @@ class _Server:
     """Runs the requests through the slots; see :func:`generate_many`."""
 
     def __init__(
-        self, model, requests, slots, eos, sampling, page_size, num_pages, chunk, share, int8
-    ):
+        self, model, requests, slots, eos, sampling, page_size, num_pages, chunk, rows, share,
+        int8,
+    ):  # fmt: skip
         decoder = nnx.merge(*nnx.split(model))  # a copy: the caller's model keeps its caches
         for block in decoder.trf_blocks:
             if hasattr(block.att, "cache"):
@@ -331,11 +356,15 @@ class _Server:
         self.pages = _Pages(num_pages, page_size)
         self.max_pages = max(_need(r, page_size) for r in requests)
         self.widths = _buckets(self.max_pages)
+        # prefill steps run one of these row counts (never more rows than slots)
+        self.prefill_rows = _buckets(min(rows, slots))
         # decoding steps attend over key blocks (paged.block_list), at most this many
         span = paged.block_size(page_size)
         self.block_counts = _buckets(slots * -(-self.max_pages * page_size // span), fine=True)
-        self.table = np.full((slots, self.max_pages), num_pages, np.int32)
-        self.lengths = np.zeros(slots, np.int32)
+        # one row past the slots stays empty (no pages, length 0): a prefill step's padding
+        # rows point at it, so they read nothing and write nothing
+        self.table = np.full((slots + 1, self.max_pages), num_pages, np.int32)
+        self.lengths = np.zeros(slots + 1, np.int32)
         self.last = np.zeros(slots, np.int32)
         self.pools = [
             _pool(
@@ -352,7 +381,7 @@ class _Server:
             paged.fused(_cache(pool), None, _attend_options(block.att))
             for pool, block in zip(self.pools, decoder.trf_blocks, strict=True)
         )
-        self.decode_steps = self.prefill_chunks = self.shared = 0
+        self.decode_steps = self.prefill_chunks = self.prefill_steps = self.shared = 0
         self.held: list[int] = []
         self.programs: set[tuple[int, int, int]] = set()
 
@@ -393,6 +422,31 @@ class _Server:
             page = int(self.table[slot, i])
             if key not in self.pages.prefix and page not in self.pages.prefix_of:
                 self.pages.prefix[key], self.pages.prefix_of[page] = page, key
+
+    def _found_pages(self, req: _Request) -> int:
+        """Leading prompt pages of ``req`` that :meth:`_share_prefix` would find now."""
+        size, found = self.pages.size, 0
+        while found < (req.prompt.size - 1) // size:
+            if req.prompt[: (found + 1) * size].tobytes() not in self.pages.prefix:
+                break
+            found += 1
+        return found
+
+    def _waits_for_prefix(self, req: _Request) -> bool:
+        """Whether ``req`` should not start yet: a request still prefilling will write
+        prompt pages ``req`` could share beyond those findable now. Started in the same
+        step, both would compute (and hold) the same pages; a step later, ``req`` shares
+        them. The prefilling request is started, so it advances: the wait ends."""
+        if not self.share:
+            return False
+        found = self._found_pages(req)
+        return any(
+            other is not None
+            and other.started
+            and other.fed < other.prompt.size
+            and _common_pages(req.prompt, other.prompt, self.pages.size) > found
+            for other in self.slots
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -452,31 +506,58 @@ class _Server:
         self.held.append(self.pages.held())
         return np.asarray(picked)
 
-    def _prefill(self) -> bool:
-        """One prompt chunk of the first slot still prefilling; False when none is."""
-        slot = next(
-            (s for s, r in enumerate(self.slots) if r is not None and r.fed < r.prompt.size), None
+    def _prefilling(self) -> list[int]:
+        """The slots whose next prompt chunk runs in this prefill step: the first requests
+        (in arrival order) still prefilling, at most the largest row count; a request that
+        starts here looks its shared prefix up now, not at admission (an earlier
+        request's prefill has run by now), unless it waits for pages another request is
+        still writing (:meth:`_waits_for_prefix`)."""
+        candidates = sorted(
+            (r.index, s)
+            for s, r in enumerate(self.slots)
+            if r is not None and r.fed < r.prompt.size
         )
-        if slot is None:
+        chosen = []
+        for _, slot in candidates:
+            if len(chosen) == self.prefill_rows[-1]:
+                break
+            req = self.slots[slot]
+            if not req.started:
+                if self._waits_for_prefix(req):
+                    continue
+                req.started = True
+                if self.share:
+                    self._share_prefix(slot, req)
+            chosen.append(slot)
+        return chosen
+
+    def _prefill(self) -> bool:
+        """One prompt chunk of each slot :meth:`_prefilling` picks, in one step of the
+        fewest rows in ``prefill_rows`` that hold them; False when none is prefilling."""
+        chosen = self._prefilling()
+        if not chosen:
             return False
-        req = self.slots[slot]
-        if not req.started:
-            # looked up now, not at admission: an earlier request's prefill has run by now
-            req.started = True
+        count = next(c for c in self.prefill_rows if c >= len(chosen))
+        rows = np.full(count, len(self.slots))  # padding: the empty row past the slots
+        tokens = np.zeros((count, self.chunk), np.int32)
+        num_new = np.zeros(count, np.int32)
+        picks = [self.requests[0]] * count
+        for i, slot in enumerate(chosen):
+            req = picks[i] = self.slots[slot]
+            n = num_new[i] = min(self.chunk, req.prompt.size - req.fed)
+            self._grow(slot, req.fed + n)
+            tokens[i, :n] = req.prompt[req.fed : req.fed + n]
+            rows[i] = slot
+        picked = self._run(rows, tokens, num_new, picks)
+        self.prefill_steps += 1
+        self.prefill_chunks += len(chosen)
+        for i, slot in enumerate(chosen):
+            req = self.slots[slot]
+            req.fed += int(num_new[i])
             if self.share:
-                self._share_prefix(slot, req)
-        n = min(self.chunk, req.prompt.size - req.fed)
-        self._grow(slot, req.fed + n)
-        tokens = np.zeros((1, self.chunk), np.int32)
-        tokens[0, :n] = req.prompt[req.fed : req.fed + n]
-        rows = np.array([slot])
-        picked = self._run(rows, tokens, np.array([n], np.int32), [req])
-        req.fed += n
-        self.prefill_chunks += 1
-        if self.share:
-            self._register_prefix(slot, req)
-        if req.fed == req.prompt.size:
-            self._emit(slot, int(picked[0]))
+                self._register_prefix(slot, req)
+            if req.fed == req.prompt.size:
+                self._emit(slot, int(picked[i]))
         return True
 
     def _decode(self) -> None:
@@ -508,6 +589,7 @@ class _Server:
         return ServingStats(
             decode_steps=self.decode_steps,
             prefill_chunks=self.prefill_chunks,
+            prefill_steps=self.prefill_steps,
             peak_pages=max(self.held, default=0),
             mean_pages=float(np.mean(self.held)) if self.held else 0.0,
             num_pages=self.pages.num_pages,
@@ -535,6 +617,7 @@ def generate_many(
     page_size: int = 16,
     num_pages: int | None = None,
     prefill_chunk: int | None = None,
+    prefill_rows: int = PREFILL_ROWS,
     share_prefixes: bool = True,
     kv_int8: bool = False,
     return_stats: bool = False,
@@ -562,6 +645,8 @@ def generate_many(
         the longest need. Fewer pages hold less memory: requests then wait for pages.
       prefill_chunk: prompt tokens fed per prefill step (a fixed shape); default
         ``min(64, context_length)``.
+      prefill_rows: the most prompts whose next chunks run together in one prefill step
+        (capped at ``slots``); 1 prefills one chunk of one prompt per step.
       share_prefixes: a request whose prompt begins with full pages a live request wrote
         reuses them instead of recomputing them.
       kv_int8: int8 KV pages with per-token, per-head scales (a quarter of float32's
@@ -591,6 +676,7 @@ def generate_many(
     context = model.cfg.context_length
     prefill_chunk = min(64, context) if prefill_chunk is None else prefill_chunk
     prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
+    prefill_rows = _positive_int(prefill_rows, "prefill_rows")
     if prefill_chunk > context:
         raise ValueError(
             f"prefill_chunk ({prefill_chunk}) must be at most cfg['context_length'] ({context})."
@@ -615,7 +701,7 @@ def generate_many(
         )
     server = _Server(
         model, requests, slots, eos, (None if temperature == 0.0 else key, temperature, top_k),
-        page_size, num_pages, prefill_chunk, share_prefixes, kv_int8,
+        page_size, num_pages, prefill_chunk, prefill_rows, share_prefixes, kv_int8,
     )  # fmt: skip
     server.run()
     outputs = [np.asarray(r.out, np.int32) for r in requests]
