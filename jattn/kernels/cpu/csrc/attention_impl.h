@@ -520,11 +520,6 @@ inline Blocks blocks(const Params& p) {
   return {(p.Tq + p.bq - 1) / p.bq, (p.Tk + p.bk - 1) / p.bk};
 }
 
-// R rows of the online softmax, interleaved: each row's logits s[r] (ncols) become P in
-// place; m, l and the output rows o[r] (length dv) are updated for the new running max.
-// The rows' passes run side by side so that their exp chains overlap (one row at a time
-// left the vector units waiting on each exp's latency, about a quarter of the forward);
-// each row's arithmetic and order are a lone row's, so R does not change a bit.
 // Whether R rows' logits over ncols columns are their products times a positive scale and
 // nothing else: every column visible, no soft-capping, ALiBi, bias or mask. Rounding is
 // monotone, so then max(s * scale) is max(s) * scale bit for bit: the max pass only reads
@@ -568,22 +563,23 @@ inline void rows_max(const Params& p, bool plain, float* const* s, int64_t ncols
   for (int r = 0; r < R; ++r) row_max[r] = hmax(vmax[r]);
 }
 
-// P = exp(logits - mv) in place over R rows (the logits scaled as they are read when
-// kPlain), kDrop: dropout applied; the rows' sums of the weights before dropout into sum.
+// P = exp(logits - m) in place over R rows, as 2^(logits log2 e - m log2 e) (mv2: each
+// row's m log2 e; the logits scaled as they are read when kPlain, by scale log2 e in the
+// same multiply-add); kDrop: dropout applied. The rows' sums of the weights before dropout
+// into sum.
 template <int R, bool kPlain, bool kDrop>
-inline void rows_exp(float scale, float* const* s, int64_t ncols, const vf* mv,
+inline void rows_exp(float scale, float* const* s, int64_t ncols, const vf* mv2,
                      const RowDropout* rd, int64_t j0, float* sum) {
+  constexpr float kLog2e = 1.44269504088896341f;
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vf{};
-  const vf sc = splat(scale);
-  for (int64_t c = 0; c < ncols; c += W)
+  const vf c = splat(kPlain ? scale * kLog2e : kLog2e);
+  for (int64_t col = 0; col < ncols; col += W)
     JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-      vf x = load(s[r] + c);
-      if constexpr (kPlain) x *= sc;
-      vf e = vexp(x - mv[r]);
+      vf e = vexp2_nonpositive(load(s[r] + col) * c - mv2[r]);
       acc[r] += e;  // the normaliser counts every weight; dropout drops from the values' sum
-      if constexpr (kDrop) e *= dropout_factor(rd[r], j0 + c);
-      store(s[r] + c, e);
+      if constexpr (kDrop) e *= dropout_factor(rd[r], j0 + col);
+      store(s[r] + col, e);
     }
   for (int r = 0; r < R; ++r) sum[r] = hsum(acc[r]);
 }
@@ -607,7 +603,7 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
   for (int r = 0; r < R; ++r) {
     m_new[r] = std::max(m[r], m_new[r]);
     // nothing visible in this row yet: every logit is -inf and exp(-inf - 0) writes P = 0
-    mv[r] = splat(m_new[r] == -kInf ? 0.f : m_new[r]);
+    mv[r] = splat(m_new[r] == -kInf ? 0.f : m_new[r] * 1.44269504088896341f);
   }
   RowDropout drop[R];  // local copies, kept in registers across the stores to s
   for (int r = 0; r < R; ++r) drop[r] = rd[r];

@@ -76,3 +76,32 @@ inline vf vexp(vf x) {
   return x < splat(-87.f) ? splat(0.f) : result;
 }
 
+// 2^x for x <= 0 (a softmax's exponent in base 2: logits minus their max, times log2 e), to
+// about 2 ulp (Cephes' exp2f polynomial on [-1/2, 1/2]); exactly 0 below -126 (and for
+// -inf). Fewer operations than vexp (no two-step reduction, no upper clamp): the forward's
+// softmax pass computes one per logit.
+inline vf vexp2_nonpositive(vf x) {
+  vf xc = x < splat(-127.f) ? splat(-127.f) : x;
+#if JATTN_SCALEF
+  vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (xc + magic) - magic;
+#endif
+  vf f = xc - n;
+  vf y = splat(1.535336188319500e-4f);
+  y = y * f + splat(1.339887440266574e-3f);
+  y = y * f + splat(9.618437357674640e-3f);
+  y = y * f + splat(5.550332471162809e-2f);
+  y = y * f + splat(2.402264791363012e-1f);
+  y = y * f + splat(6.931472028550421e-1f);
+  y = y * f + splat(1.f);
+#if JATTN_SCALEF
+  vf result = _mm512_scalef_ps(y, n);  // y * 2^n
+#else
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf result = y * (vf)bits;  // the bits of 2^n (0 for n = -127: the select below)
+#endif
+  return x < splat(-126.f) ? splat(0.f) : result;
+}
+
