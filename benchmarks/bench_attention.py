@@ -1,7 +1,8 @@
 """Side-by-side attention benchmark: jattn (dense and blockwise) against its peers.
 
 One process, interleaved rounds: every round runs each candidate once (in a random
-order), so load from other processes hits all of them alike; times are medians over
+order, each once the process is idle again: the previous candidate's buffers are released
+on a runtime thread after it returns), so load from other processes hits all of them alike; times are medians over
 rounds and each ratio is the median of the per-round ratios. Compile time (lower +
 compile) is reported separately and never counted in a run time. Memory is the compiled
 executable's temporary buffer size (``compiled.memory_analysis().temp_size_in_bytes``).
@@ -175,18 +176,39 @@ def wait_quiet(max_wait_s: float, busy_max: float = 0.1) -> bool:
     return False
 
 
+SETTLE_MAX_S = 0.5  # the longest settle() waits
+
+
+def settle(max_wait_s: float = SETTLE_MAX_S, window_s: float = 0.01) -> None:
+    """Waits until this process's threads are idle (under 10% of one core over ``window_s``).
+
+    A candidate's buffers are released on a runtime thread after it returns: after the
+    dense paths' 0.5 GB at T=4096, about 80 ms of page unmapping on one of the two cores,
+    which slowed whichever candidate ran next (cpu_fused's forward from ~52 to ~72 ms on
+    the AVX-512 EPYC). Every candidate starts after this wait, so none pays for another.
+    """
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        cpu = time.process_time()
+        time.sleep(window_s)
+        if time.process_time() - cpu < 0.1 * window_s:
+            return
+
+
 def interleave(candidates: list[Candidate], rounds: int) -> None:
     """Runs every candidate once per round, in a fresh random order, and records the times.
 
     A random order per round (fixed seed) means no candidate always runs right after the
     same neighbour (a rotation keeps neighbours: whatever follows PyTorch would always pay
-    for its worker threads winding down).
+    for its worker threads winding down), and each one starts once the process is idle
+    (:func:`settle`).
     """
     order = random.Random(0)
     for _ in range(rounds):
         if QUIET_WAIT_S > 0:
             wait_quiet(QUIET_WAIT_S)
         for cand in order.sample(candidates, len(candidates)):
+            settle()
             snap, cpu = machine_busy(), time.process_time()
             start = time.perf_counter()
             cand.run()
@@ -1022,8 +1044,8 @@ def main(argv=None) -> int:
         "",
         f"Command: `{command}`  ",
         f"Environment: {environment(cpu)}  ",
-        f"Rounds: {rounds} interleaved (median times; ratios are medians of per-round ratios). "
-        "All causal, float32. Compile time is excluded from run times and listed apart; "
+        f"Rounds: {rounds} interleaved (median times; ratios are medians of per-round ratios; "
+        "each run starts once the process is idle). All causal, float32. Compile time is excluded from run times and listed apart; "
         "memory is the compiled temporary buffer size (`memory_analysis().temp_size_in_bytes`).",
         "",
     ]
