@@ -87,9 +87,13 @@ def cpu_description() -> str:
     except OSError:
         pass
     name = info.get("model name", platform.processor() or platform.machine())
-    family = f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info else ""
+    family = (
+        f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info else ""
+    )
     flags = info.get("flags", "").split()
-    avx512 = "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    avx512 = (
+        "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    )
     return f"{name}{family}, {avx512}, {os.cpu_count()} logical cores"
 
 

@@ -101,8 +101,10 @@ def main(argv=None) -> None:
         if e.get("ph") == "X" and e["name"] in names:
             spent[names[e["name"]]] += e["dur"] / args.runs / 1e3
     total = sum(spent.values())
-    print(f"backward, causal, T={args.length} H={args.heads} D={args.head_dim}: "
-          f"{total:.0f} ms of thunk time per run")
+    print(
+        f"backward, causal, T={args.length} H={args.heads} D={args.head_dim}: "
+        f"{total:.0f} ms of thunk time per run"
+    )
     for category, ms in spent.most_common():
         print(f"  {category:32s} {ms:8.1f} ms  {100 * ms / total:5.1f}%")
 

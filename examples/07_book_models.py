@@ -181,7 +181,11 @@ def measure(arch: str, cfg: dict, args, with_book: bool) -> Row:
             ref = book(torch.from_numpy(prompt)).numpy()
         diff = float(np.abs(np.asarray(model(prompt)) - ref).max())
     else:
-        classes = {"gpt2": models.GPTModel, "llama3": models.Llama3Model, "qwen3": models.Qwen3Model}
+        classes = {
+            "gpt2": models.GPTModel,
+            "llama3": models.Llama3Model,
+            "qwen3": models.Qwen3Model,
+        }
         model = classes[arch](cfg, rngs=nnx.Rngs(args.seed))
         diff = None
 
@@ -223,7 +227,9 @@ def plot(rows: list[Row], path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared ``--out`` and this example's sizes and seed."""
     p = _common.parser(__doc__, PICTURE)
-    p.add_argument("--models", default=",".join(ARCHS), help="comma-separated subset of " + ", ".join(ARCHS))
+    p.add_argument(
+        "--models", default=",".join(ARCHS), help="comma-separated subset of " + ", ".join(ARCHS)
+    )
     p.add_argument("--layers", type=int, default=2, help="transformer blocks of each model")
     p.add_argument("--emb-dim", type=int, default=64, help="embedding width (4 heads)")
     p.add_argument("--context", type=int, default=128, help="context length")
@@ -231,8 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=24, help="tokens to generate")
     p.add_argument("--repeats", type=int, default=3, help="timed generations (best counts)")
-    p.add_argument("--torch-threads", type=int, default=1, help="PyTorch threads for the book's models (its OpenMP threads stall when other jobs share the cores; one is its fastest on a busy 2-core machine)")
-    p.add_argument("--seed", type=int, default=123, help="torch.manual_seed of the book's models, and the prompt")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="PyTorch threads for the book's models (its OpenMP threads stall when other jobs share the cores; one is its fastest on a busy 2-core machine)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=123,
+        help="torch.manual_seed of the book's models, and the prompt",
+    )
     return p  # fmt: skip
 
 
@@ -247,7 +263,9 @@ def main(argv=None) -> list[Row]:
 
         torch.set_num_threads(args.torch_threads)
     else:
-        print("torch / llms-from-scratch not installed: jattn's own initialization, no book comparison.")
+        print(
+            "torch / llms-from-scratch not installed: jattn's own initialization, no book comparison."
+        )
     cfgs = configs(args.layers, args.emb_dim, args.context, args.vocab)
     rows = [measure(arch, cfgs[arch], args, with_book) for arch in archs]
     for r in rows:
@@ -260,7 +278,9 @@ def main(argv=None) -> list[Row]:
             )
         print(line)
     threads = f", PyTorch threads {args.torch_threads}" if with_book else ""
-    print(f"(jax {jax.__version__}{threads}; {args.new_tokens} new tokens after {args.prompt_len}, batch 1)")
+    print(
+        f"(jax {jax.__version__}{threads}; {args.new_tokens} new tokens after {args.prompt_len}, batch 1)"
+    )
     path = args.out / PICTURE
     plot(rows, path)
     print(f"saved {path}")

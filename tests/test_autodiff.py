@@ -81,7 +81,10 @@ def test_hessian_vector_product_runs_on_blockwise_and_equals_dense(inputs):
     "transform,excerpt",
     [
         (lambda f, q: jax.jvp(f, (q,), (q,)), "forward-mode autodiff"),
-        (lambda f, q: jax.grad(lambda x: jnp.sum(jax.grad(lambda y: jnp.sum(f(y)))(x)))(q), "nested"),
+        (
+            lambda f, q: jax.grad(lambda x: jnp.sum(jax.grad(lambda y: jnp.sum(f(y)))(x)))(q),
+            "nested",
+        ),
     ],
 )
 def test_explicit_blockwise_refuses_what_its_custom_vjp_cannot_do(inputs, transform, excerpt):

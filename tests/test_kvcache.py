@@ -353,7 +353,9 @@ def test_rolling_cache_is_its_own_type_and_writes_modulo_capacity(rng):
     cache = kv.append(cache, k[:, :3], v[:, :3])
     np.testing.assert_array_equal(cache.lengths, [10, 5])
     # numpy: position p of a row's sequence lives in slot p % 4 (the latest one wins)
-    for b, seq in enumerate((np.concatenate([k[0], k[0, :3]]), np.concatenate([k[1, :2], k[1, :3]]))):
+    for b, seq in enumerate(
+        (np.concatenate([k[0], k[0, :3]]), np.concatenate([k[1, :2], k[1, :3]]))
+    ):
         expected = np.zeros((4, 1, 2), np.float32)
         for p, key in enumerate(seq):
             expected[p % 4] = key
