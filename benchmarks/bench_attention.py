@@ -75,6 +75,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from timing import settle  # benchmarks/timing.py, beside this script
 
 import jattn
 import jattn.linen
@@ -174,25 +175,6 @@ def wait_quiet(max_wait_s: float, busy_max: float = 0.1) -> bool:
         if after[0] > before[0] and 1 - (after[1] - before[1]) / (after[0] - before[0]) < busy_max:
             return True
     return False
-
-
-SETTLE_MAX_S = 0.5  # the longest settle() waits
-
-
-def settle(max_wait_s: float = SETTLE_MAX_S, window_s: float = 0.01) -> None:
-    """Waits until this process's threads are idle (under 10% of one core over ``window_s``).
-
-    A candidate's buffers are released on a runtime thread after it returns: after the
-    dense paths' 0.5 GB at T=4096, about 80 ms of page unmapping on one of the two cores,
-    which slowed whichever candidate ran next (cpu_fused's forward from ~52 to ~72 ms on
-    the AVX-512 EPYC). Every candidate starts after this wait, so none pays for another.
-    """
-    deadline = time.monotonic() + max_wait_s
-    while time.monotonic() < deadline:
-        cpu = time.process_time()
-        time.sleep(window_s)
-        if time.process_time() - cpu < 0.1 * window_s:
-            return
 
 
 def interleave(candidates: list[Candidate], rounds: int) -> None:
