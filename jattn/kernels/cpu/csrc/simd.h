@@ -48,6 +48,17 @@ inline float hsum(vf x) {
   return x[0];
 }
 
+// y * 2^n for integral n (vscalefps with AVX-512; else n's exponent bits, n >= -127, where
+// -127 gives 0).
+inline vf times_pow2(vf y, vf n) {
+#if JATTN_SCALEF
+  return _mm512_scalef_ps(y, n);
+#else
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return y * (vf)bits;
+#endif
+}
+
 // exp(x) to about 1 ulp (Cephes' expf polynomial); exactly 0 below -87 (and for -inf).
 // With AVX-512 the power of two is applied by vscalefps (one instruction for the shifts and
 // the product; beyond 88 it gives inf by itself, so no upper clamp is needed).
@@ -67,13 +78,7 @@ inline vf vexp(vf x) {
   y = y * r + splat(1.6666665459e-1f);
   y = y * r + splat(5.0000001201e-1f);
   y = y * (r * r) + r + splat(1.f);
-#if JATTN_SCALEF
-  vf result = _mm512_scalef_ps(y, n);  // y * 2^n
-#else
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf result = y * (vf)bits;  // the bits of 2^n
-#endif
-  return x < splat(-87.f) ? splat(0.f) : result;
+  return x < splat(-87.f) ? splat(0.f) : times_pow2(y, n);
 }
 
 // 2^x for x <= 0 (a softmax's exponent in base 2: logits minus their max, times log2 e), to
@@ -96,12 +101,6 @@ inline vf vexp2_nonpositive(vf x) {
   y = y * f + splat(2.402264791363012e-1f);
   y = y * f + splat(6.931472028550421e-1f);
   y = y * f + splat(1.f);
-#if JATTN_SCALEF
-  vf result = _mm512_scalef_ps(y, n);  // y * 2^n
-#else
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf result = y * (vf)bits;  // the bits of 2^n (0 for n = -127: the select below)
-#endif
-  return x < splat(-126.f) ? splat(0.f) : result;
+  return x < splat(-126.f) ? splat(0.f) : times_pow2(y, n);
 }
 
