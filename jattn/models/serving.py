@@ -403,10 +403,8 @@ class _Server:
         """Points the slot at live pages holding the same prompt prefix (full pages only,
         keeping at least one prompt token to prefill: its logits give the first token)."""
         size = self.pages.size
-        for i in range((req.prompt.size - 1) // size):
-            page = self.pages.prefix.get(req.prompt[: (i + 1) * size].tobytes())
-            if page is None:
-                break
+        for i in range(self._found_pages(req)):
+            page = self.pages.prefix[req.prompt[: (i + 1) * size].tobytes()]
             self.pages.share(page)
             self.table[slot, i] = page
             req.pages += 1
