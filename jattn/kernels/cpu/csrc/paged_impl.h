@@ -7,9 +7,10 @@
 //
 // One item per (row, kv head, key split): the queries of the heads sharing the kv head run
 // an online softmax over blocks of kBlock keys read through the page table in place (a
-// pointer per key, so any page size reads alike); a block's logits are q . k over D, its
-// weights a vectorized polynomial exp, and the values accumulate as acc += p v over Dv
-// (a vector of acc held in a register over the block's keys).
+// pointer per key, so any page size reads alike; the next block's lines asked for while
+// one computes); a block's logits are q . k over D, its weights a vectorized polynomial
+// exp, and the values accumulate as acc += p v over Dv (a vector of acc held in a register
+// over the block's keys).
 // A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
 // splits in their order. Every sum runs in a fixed order within one item: the results do
 // not depend on the number of threads.
@@ -29,6 +30,9 @@ namespace {
 
 constexpr int W = JATTN_W;
 constexpr int64_t kBlock = 64;  // keys per block (a multiple of every W)
+// Each block asks for the lines of the next one (prefetch_block): one block ahead measured
+// as well as two or three.
+constexpr int64_t kPrefetchAhead = kBlock;
 // From this many queries per item on, a block's keys are transposed once and every query's
 // logits come a vector of keys at a time (no horizontal sum per key).
 constexpr int64_t kTransposeMinQueries = 4;
@@ -101,6 +105,42 @@ void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_
       b->v[j] = vp + at * p.Dv;
       b->ks[j] = p.int8 ? t.k_scales[at] : 1.f;
       b->vs[j] = p.int8 ? t.v_scales[at] : 1.f;
+    }
+  }
+}
+
+// A prefetch of the line at `a`, as an asm statement: GCC counts __builtin_prefetch as
+// free of side effects and, from -O2 on, deletes a loop that does nothing else.
+inline void prefetch(const char* a) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*a));
+#else
+  __builtin_prefetch(a);
+#endif
+}
+
+// Asks for the keys and values of positions [first, first + n) of a row's kv head ahead
+// of their use (the next block's, while this one computes). A kv head's keys lie a
+// stride apart in the pages, and a page's run of them anywhere in the pool: with the
+// hardware prefetchers alone, a decoding step over a cache out of the CPU's caches waited
+// on memory for most of its time.
+template <typename E>
+void prefetch_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
+                    int64_t first, int64_t n) {
+  constexpr int64_t kLine = 64;
+  const char* kp = static_cast<const char*>(t.k);
+  const char* vp = static_cast<const char*>(t.v);
+  const int64_t kbytes = p.D * sizeof(E), vbytes = p.Dv * sizeof(E);
+  const int32_t* table = t.table + row * p.P;
+  for (int64_t j = 0; j < n;) {
+    const int64_t pos = first + j, index = pos / p.S, offset = pos - index * p.S;
+    const int64_t page = table[index], m = std::min(n - j, p.S - offset);
+    j += m;
+    if (page < 0 || page >= p.N) continue;
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t at = (page * p.S + offset + i) * p.K + head;
+      for (int64_t c = 0; c < kbytes; c += kLine) prefetch(kp + at * kbytes + c);
+      for (int64_t c = 0; c < vbytes; c += kLine) prefetch(vp + at * vbytes + c);
     }
   }
 }
@@ -234,6 +274,9 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
     fill_block(p, t, r, it.head, first, n, &b);
+    if (first + kPrefetchAhead < it.key_end)
+      prefetch_block<E>(p, t, r, it.head, first + kPrefetchAhead,
+                        std::min(kBlock, it.key_end - first - kPrefetchAhead));
     if (transpose) transpose_block(p, b, n, kt);
     for (int64_t tq = 0; tq < real; ++tq) {
       const int64_t seen = p.causal ? std::min(n, start + tq + 1 - first) : n;
