@@ -93,13 +93,22 @@ def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
 
 
 def _first_max(logits: Array) -> Array:
-    """int32 ``[batch...]``: ``jnp.argmax`` over the last axis (the first largest; the
-    first NaN if any), as two plain reductions: XLA's CPU argmax (a reduction over value and
-    index pairs) takes 3-6x longer on ``[16, 8192]`` logits, as much as a layer's step."""
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    hit = (logits == top) | jnp.isnan(logits)
+    """int32 ``[batch...]``: ``jnp.argmax`` over the last axis (the first NaN if any, else the
+    first largest) as two plain reductions: XLA's CPU argmax (a reduction over value and
+    index pairs) takes 3-6x longer on ``[16, 8192]`` logits, as much as a layer's step.
+
+    NaNs are looked for, not left to the max: XLA's CPU max reduction of a large row can
+    drop them (``jnp.max`` of ``[16, 8192]`` logits with a NaN column returned numbers, in
+    jax 0.10), which picked a number's index where ``argmax`` picks the NaN's.
+    """
+    vocab = logits.shape[-1]
+    nan = jnp.isnan(logits)
+    top = jnp.max(jnp.where(nan, jnp.inf, logits), axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+    # a NaN's index ranks before every largest's (index + vocab); the rest after both
+    rank = jnp.where(nan, index, jnp.where(logits == top, index + vocab, 2 * vocab))
+    first = jnp.min(rank, axis=-1)
+    return jnp.where(first >= vocab, first - vocab, first)
 
 
 def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, top_k=None):

@@ -272,6 +272,30 @@ def test_sample_next_greedy_takes_the_first_of_ties_and_nans_as_argmax():
     assert picked.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("vocab", [4099, 8192, 50257])
+def test_sample_next_greedy_finds_nans_in_a_large_vocabulary(vocab):
+    """Rows as a model's output head gives them (a matmul inside the same program), with a
+    NaN column, a NaN after the row's largest, +inf and NaN together, ties and -0.0 / 0.0:
+    numpy's argmax (the first NaN, else the first largest). XLA's CPU max reduction of
+    such rows drops the NaNs, so a pick that trusted it answered a number's index."""
+    rng = np.random.default_rng(vocab)
+    w = rng.normal(size=(8, vocab)).astype(np.float32)
+    w[:, vocab // 3] = np.nan  # every row: NaN in the middle
+    x = np.eye(8, dtype=np.float32)
+    x[1] = 0.0  # row 1: all zeros, then NaN from 0 * NaN
+    logits = np.asarray(x @ w)
+    picked = jax.jit(lambda x, w: gen.sample_next(x @ w))(x, w)
+    np.testing.assert_array_equal(picked, np.argmax(logits, axis=-1))
+    rows = rng.normal(size=(6, vocab)).astype(np.float32)
+    rows[0, [5, vocab - 1]] = [np.inf, np.nan]  # +inf first, NaN later: the NaN
+    rows[1, [7, 9]] = rows[1].max() + 1.0  # a tie for the largest: the first
+    rows[2] = np.where(rng.random(vocab) < 0.5, -0.0, 0.0)  # -0.0 == 0.0: index 0
+    rows[3] = -np.inf
+    rows[4, vocab - 2] = np.nan
+    rows[5] = np.round(rows[5])  # many ties
+    np.testing.assert_array_equal(jax.jit(gen.sample_next)(rows), np.argmax(rows, axis=-1))
+
+
 def test_sample_next_follows_the_tempered_softmax():
     logits = jnp.array([2.0, 1.0, 0.0, -1.0, 0.5])
     n, temperature = 20000, 0.8
