@@ -24,10 +24,27 @@ import numpy as np
 __all__ = ["dependence_matrix", "future_leak", "is_causal"]
 
 
-def _reduce_to(arr: jnp.ndarray, keep: tuple[int, int]) -> jnp.ndarray:
-    """Max of |arr| over every axis except the two in ``keep`` (kept in that order)."""
+def _reduce_to(arr: jnp.ndarray, keep: tuple[int, int]) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Max of |arr| over every axis except the two in ``keep`` (kept in that order), and
+    where that max saw a NaN: XLA's CPU max reduction can drop NaNs, so they are looked for
+    apart (a NaN must not read as "no dependence")."""
     arr = jnp.moveaxis(jnp.abs(arr), keep, (0, 1))
-    return arr.reshape(arr.shape[0], arr.shape[1], -1).max(axis=-1)
+    flat = arr.reshape(arr.shape[0], arr.shape[1], -1)
+    return flat.max(axis=-1), jnp.isnan(flat).any(axis=-1)
+
+
+def _checked(reduced, what: str) -> np.ndarray:
+    """``[T_out, T_in]`` from :func:`_reduce_to`'s ``[T_in, T_out]`` pair, or a ValueError
+    naming the first (output, input) pair whose effect is NaN."""
+    dep, nan = (np.asarray(a).T for a in reduced)
+    if nan.any():
+        i, j = np.argwhere(nan)[0]
+        raise ValueError(
+            f"{what} is NaN for output position {i} and input position {j}, so whether that "
+            "output depends on that input cannot be told (NaN would read as no dependence). "
+            "Make fn finite at x (jax.debug_nans finds where a NaN starts), or pass another x."
+        )
+    return dep
 
 
 def _default_perturb(x, j, key, vocab_size):
@@ -73,6 +90,10 @@ def dependence_matrix(
 
     Returns:
       numpy ``[T_out, T_in]``: ``D[i, j]`` is the effect of input ``j`` on output ``i``.
+
+    Raises:
+      ValueError: an effect is NaN (``fn`` gives a NaN output or gradient at ``x``): the
+        dependence cannot be told, so no matrix is returned.
     """
     if not callable(fn):
         raise TypeError(f"fn must be a function of one array, got {type(fn).__name__}.")
@@ -103,7 +124,7 @@ def dependence_matrix(
         jac = jax.jit(jax.jacrev(fn))(x)  # y.shape + x.shape; one compilation, not one per op
         out_ax = out_axis % y_ndim
         in_ax = y_ndim + (in_axis % x.ndim)
-        return np.asarray(_reduce_to(jac, (out_ax, in_ax)))
+        return _checked(_reduce_to(jac, (in_ax, out_ax)), "The gradient of fn(x)")
     if method != "perturbation":
         raise ValueError(f"method must be 'gradient' or 'perturbation', got {method!r}.")
 
@@ -122,12 +143,11 @@ def dependence_matrix(
 
     def columns():
         ys = jax.lax.map(output, jnp.arange(-1, t_in))  # [1 + T_in, *y.shape]
-        diff = jnp.abs(ys[1:] - ys[:1])
-        diff = jnp.moveaxis(diff, 1 + (out_axis % (diff.ndim - 1)), 1)  # [T_in, T_out, ...]
-        return diff.reshape(diff.shape[0], diff.shape[1], -1).max(axis=-1)
+        # an output that did not change has no effect, equal infinities included
+        diff = jnp.where(ys[1:] == ys[:1], 0, ys[1:] - ys[:1])
+        return _reduce_to(diff, (0, 1 + (out_axis % (diff.ndim - 1))))  # [T_in, T_out]
 
-    cols = jax.jit(columns)()  # [T_in, T_out]
-    return np.asarray(cols.T)
+    return _checked(jax.jit(columns)(), "The change of fn(x)")
 
 
 def future_leak(fn, x, **kwargs) -> float:

@@ -550,6 +550,8 @@ CASES = [
     Case("causality.dependence_matrix", "a scalar x", V, "x must have a sequence axis", probe(jnp.array(1.0))),
     Case("causality.dependence_matrix", "fn returning a scalar", V, "fn must return a sequence of outputs", probe(fn=jnp.sum)),
     Case("causality.is_causal", "atol=-1", V, "atol must be >= 0", lambda: causality.is_causal(cumsum, jnp.ones((4, 3)), atol=-1)),
+    Case("causality.dependence_matrix", "fn giving NaN (gradient)", V, "is NaN for output position 0 and input position 0", probe(fn=lambda x: jnp.sqrt(x - 2.0))),
+    Case("causality.dependence_matrix", "fn giving NaN (perturbation)", V, "is NaN for output position 0 and input position 0", probe(fn=lambda x: jnp.sqrt(x - 2.0), method="perturbation")),
     # ring
     Case("ring.ring_attention", "mesh='m'", T, "mesh must be a jax.sharding.Mesh", ring_call(mesh="m")),
     Case("ring.ring_attention", "seq_axis not in the mesh", V, "seq_axis='x' is not an axis of the mesh", ring_call(seq_axis="x")),

@@ -84,3 +84,31 @@ def test_errors():
         causality.dependence_matrix(cumsum_fn, jnp.ones((3, 2)), method="finite")
     with pytest.raises(ValueError, match="sequence axis"):
         causality.dependence_matrix(cumsum_fn, jnp.float32(1.0))
+
+
+def test_a_nan_effect_raises_instead_of_reading_as_no_dependence():
+    """Output 0 is NaN whatever the input (so its dependence on the future cannot be
+    seen); XLA's CPU max drops NaNs, which made future_leak 0.0 and is_causal True."""
+    x = jax.random.normal(jax.random.key(0), (16, 64))
+
+    def nan_column(x):
+        ahead = jnp.cumsum(x[::-1], axis=0)[::-1]  # depends on the future
+        return jnp.concatenate([jnp.sqrt(ahead[:, :1] - 1e9), x[:, 1:]], axis=1)
+
+    for method in ("gradient", "perturbation"):
+        with pytest.raises(ValueError, match="NaN for output position 0 and input position"):
+            causality.is_causal(nan_column, x, method=method)
+
+
+def test_equal_infinities_are_no_change():
+    """Masked logits (-inf above the diagonal) keep their -inf under every perturbation:
+    no dependence there, where inf - inf alone would be NaN."""
+    x = jax.random.normal(jax.random.key(1), (6, 3))
+
+    def masked_logits(x):
+        logits = x @ x.T
+        return jnp.where(jnp.tril(jnp.ones((6, 6), bool)), logits, -jnp.inf)
+
+    assert causality.is_causal(masked_logits, x, method="perturbation")
+    leaky = lambda x: masked_logits(x) + x[::-1].sum()  # noqa: E731
+    assert not causality.is_causal(leaky, x, method="perturbation")
