@@ -1,0 +1,106 @@
+"""Two or more builds of the fused CPU paged-attention kernel against each other, in one process.
+
+Each build (a copy of ``_jattn_cpu*.so``) is loaded with :mod:`ctypes` and its paged
+handler registered under a name of its own, so the builds run the same calls in turn,
+under the same load; their outputs are checked equal (to float32 rounding) first.
+
+Shapes: one decoding step of ``--rows`` rows (one query each) on ``--heads`` kv heads of
+``--head-dim`` (as many query heads), pages of 16 positions, rows ``--fill`` of a
+capacity of ``--capacity`` positions filled. Two settings per fill: *warm*, every call on
+the same pools (they stay in the CPU's caches when they fit), and *cold*, each call on
+the next of four sets of pools (four layers' worth: a set is out of the caches when its
+turn comes, as in a model's step once the pools outgrow the last-level cache).
+
+Usage (from the repository root)::
+
+    cp jattn/kernels/cpu/_jattn_cpu*.so /tmp/before.so     # then change, rebuild:
+    python setup.py build_ext --inplace --force
+    cp jattn/kernels/cpu/_jattn_cpu*.so /tmp/after.so
+    python benchmarks/ab_paged_kernel.py /tmp/before.so /tmp/after.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAGE = 16
+
+
+def register(paths: list[str]) -> dict:
+    """{file name: jitted call} of each build's paged handler, registered as ``ab_paged_<i>``."""
+    calls = {}
+    for i, path in enumerate(paths):
+        name = f"ab_paged_{i}"
+        handler = ctypes.CDLL(os.path.abspath(path)).JattnCpuPagedAttention
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+
+        def call(q, k_pages, v_pages, table, starts, num_real, lengths, name=name):
+            out = jax.ShapeDtypeStruct((*q.shape[:3], v_pages.shape[-1]), jnp.float32)
+            unused = jnp.zeros((1,), jnp.float32)  # the int8 scales
+            return jax.ffi.ffi_call(name, out)(
+                q, k_pages, v_pages, unused, unused, table, starts, num_real, lengths,
+                scale=np.float32(q.shape[-1] ** -0.5), causal=np.int64(1),
+                max_threads=np.int64(0),
+            )  # fmt: skip
+
+        calls[os.path.basename(path)] = jax.jit(call)
+    return calls
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("builds", nargs="+", help="kernel library files (.so) to compare")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--capacity", type=int, default=743)
+    p.add_argument("--fill", type=float, nargs="+", default=[0.1, 0.5, 1.0])
+    p.add_argument("--repeats", type=int, default=300)
+    args = p.parse_args(argv)
+    calls = register(args.builds)
+    rows, heads, dim = args.rows, args.heads, args.head_dim
+    width = -(-args.capacity // PAGE)
+    rng = np.random.default_rng(0)
+    shape = (rows * width, PAGE, heads, dim)
+    pools = [
+        tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in "kv") for _ in range(4)
+    ]
+    q = jnp.asarray(rng.normal(size=(rows, 1, heads, dim)), jnp.float32)
+    table = jnp.arange(rows * width, dtype=jnp.int32).reshape(rows, width)
+    print(
+        f"{rows} rows, {heads} kv heads of {dim}, capacity {args.capacity}; microseconds "
+        f"per call (medians of {args.repeats}); builds: {', '.join(calls)}"
+    )
+    for fill in args.fill:
+        length = max(1, round(fill * args.capacity))
+        ints = (
+            table,
+            jnp.full((rows,), length - 1, jnp.int32),  # starts
+            jnp.ones((rows,), jnp.int32),  # one query per row
+            jnp.full((rows,), length, jnp.int32),  # lengths
+        )
+        outs = [np.asarray(call(q, *pools[0], *ints)) for call in calls.values()]
+        for out in outs[1:]:
+            np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-6)
+        for mode in ("warm", "cold"):
+            times = {name: [] for name in calls}
+            for i in range(args.repeats):
+                for c, (name, call) in enumerate(calls.items()):
+                    k_pages, v_pages = pools[(i * len(calls) + c) % 4 if mode == "cold" else 0]
+                    start = time.perf_counter()
+                    call(q, k_pages, v_pages, *ints).block_until_ready()
+                    times[name].append(time.perf_counter() - start)
+            cells = "  ".join(f"{n} {statistics.median(t) * 1e6:.0f}" for n, t in times.items())
+            print(f"fill {fill:.2f} {mode}: {cells}")
+
+
+if __name__ == "__main__":
+    main()
