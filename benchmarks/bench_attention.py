@@ -2,8 +2,8 @@
 
 One process, interleaved rounds: every round runs each candidate once (in a random
 order, each once the process is idle again: the previous candidate's buffers are released
-on a runtime thread after it returns), so load from other processes hits all of them alike; times are medians over
-rounds and each ratio is the median of the per-round ratios. Compile time (lower +
+on a runtime thread after it returns), so load from other processes hits all of them
+alike; times are medians over rounds and each ratio is the median of the per-round ratios. Compile time (lower +
 compile) is reported separately and never counted in a run time. Memory is the compiled
 executable's temporary buffer size (``compiled.memory_analysis().temp_size_in_bytes``).
 
@@ -1027,8 +1027,9 @@ def main(argv=None) -> int:
         f"Command: `{command}`  ",
         f"Environment: {environment(cpu)}  ",
         f"Rounds: {rounds} interleaved (median times; ratios are medians of per-round ratios; "
-        "each run starts once the process is idle). All causal, float32. Compile time is excluded from run times and listed apart; "
-        "memory is the compiled temporary buffer size (`memory_analysis().temp_size_in_bytes`).",
+        "each run starts once the process is idle). All causal, float32. Compile time is "
+        "excluded from run times and listed apart; memory is the compiled temporary buffer "
+        "size (`memory_analysis().temp_size_in_bytes`).",
         "",
     ]
 

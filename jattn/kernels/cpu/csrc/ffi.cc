@@ -151,24 +151,23 @@ void transpose_tile(const Params& p, const float* x, int64_t e, float* xt, int64
   }
 }
 
-// Whether dims are a transposed copy's, [batch..., K, e, Tkp] with q's rank (qd).
-bool transposed_dims(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> qd,
-                     const Params& p, int64_t e) {
+// x [batch..., Tk, K, e] transposed on the workers into xt, once xt's shape is checked in
+// full ([batch..., K, e, Tkp], q's rank, qd); false (nothing written) on another shape.
+bool transpose_keys(ffi::ThreadPool& pool, int64_t threads, const Params& p, const float* x,
+                    int64_t e, ffi::ResultBuffer<ffi::F32>& xt, ffi::Span<const int64_t> qd) {
+  const ffi::Span<const int64_t> dims = xt->dimensions();
   const size_t r = dims.size();
   if (r != qd.size() || dims[r - 3] != p.K || dims[r - 2] != e || dims[r - 1] != p.Tkp)
     return false;
   int64_t b = 1;
   for (size_t a = 0; a + 3 < r; ++a) b *= dims[a];
-  return b == p.B;
-}
-
-// x [batch..., Tk, K, e] into xt [batch..., K, e, Tkp] on the workers.
-void transpose_keys(ffi::ThreadPool& pool, int64_t threads, const Params& p, const float* x,
-                    int64_t e, float* xt) {
+  if (b != p.B) return false;
+  float* dst = xt->typed_data();
   const int64_t items = p.B * p.K * ((p.Tk + p.bk - 1) / p.bk);
   if (items > 0)
     parallel_for(pool, items, threads, 0,
-                 [&](int64_t item, float*) { transpose_tile(p, x, e, xt, item); });
+                 [&](int64_t item, float*) { transpose_tile(p, x, e, dst, item); });
+  return true;
 }
 
 // [batch..., T, heads, dim] -> (prod(batch), T, heads, dim).
@@ -390,9 +389,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   // kt [batch..., K, D, Tkp], the keys transposed here, or a placeholder of another rank
   // (a few queries: the kernel reads the keys in place).
   if (kt->dimensions().size() == q.dimensions().size()) {
-    if (!transposed_dims(kt->dimensions(), q.dimensions(), p, p.D))
+    if (!transpose_keys(pool, threads, p, t.k, p.D, kt, q.dimensions()))
       return ffi::Error::InvalidArgument("jattn cpu attention: kt of another shape");
-    transpose_keys(pool, threads, p, t.k, p.D, kt->typed_data());
     t.kt = kt->typed_data();
   }
   p.split_k = p.Tq <= kSplitMaxQueries && p.Tk >= 2 * kSplitKeys && kSplitKeys % p.bk == 0
@@ -459,11 +457,9 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   const Isa& k_isa = isa();
   const int64_t threads = worker_count(pool, max_threads), scratch = k_isa.scratch_floats(p);
   const int64_t nqb = (p.Tq + p.bq - 1) / p.bq, nkb = (p.Tk + p.bk - 1) / p.bk;
-  if (!transposed_dims(kt->dimensions(), q.dimensions(), p, p.D) ||
-      !transposed_dims(vt->dimensions(), q.dimensions(), p, p.Dv))
+  if (!transpose_keys(pool, threads, p, t.k, p.D, kt, q.dimensions()) ||  // K^T, V^T here
+      !transpose_keys(pool, threads, p, t.v, p.Dv, vt, q.dimensions()))
     return ffi::Error::InvalidArgument("jattn cpu attention: the backward needs kt and vt");
-  transpose_keys(pool, threads, p, t.k, p.D, kt->typed_data());  // K^T and V^T, made here
-  transpose_keys(pool, threads, p, t.v, p.Dv, vt->typed_data());
   t.kt = kt->typed_data();
   t.vt = vt->typed_data();
   if (single_pass_backward(p.B * p.K, threads)) {  // one pass per pair, dQ in place

@@ -59,6 +59,16 @@ inline vf times_pow2(vf y, vf n) {
 #endif
 }
 
+// The polynomial c0 x^n + c1 x^(n-1) + ... + cn by Horner's rule, the highest coefficient
+// first: y = c0, then y = y * x + c for each next c (the same operations in the same order
+// as written out, so the same bits).
+template <typename... C>
+inline vf horner(vf x, float c0, C... cs) {
+  vf y = splat(c0);
+  ((y = y * x + splat(cs)), ...);
+  return y;
+}
+
 // exp(x) to about 1 ulp (Cephes' expf polynomial); exactly 0 below -87 (and for -inf).
 // With AVX-512 the power of two is applied by vscalefps (one instruction for the shifts and
 // the product; beyond 88 it gives inf by itself, so no upper clamp is needed).
@@ -71,12 +81,8 @@ inline vf vexp(vf x) {
   vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
   vf r = xc - n * splat(0.693359375f);
   r = r + n * splat(2.12194440e-4f);
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
+  vf y = horner(r, 1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                1.6666665459e-1f, 5.0000001201e-1f);
   y = y * (r * r) + r + splat(1.f);
   return x < splat(-87.f) ? splat(0.f) : times_pow2(y, n);
 }
@@ -94,13 +100,8 @@ inline vf vexp2_nonpositive(vf x) {
   vf n = (xc + magic) - magic;
 #endif
   vf f = xc - n;
-  vf y = splat(1.535336188319500e-4f);
-  y = y * f + splat(1.339887440266574e-3f);
-  y = y * f + splat(9.618437357674640e-3f);
-  y = y * f + splat(5.550332471162809e-2f);
-  y = y * f + splat(2.402264791363012e-1f);
-  y = y * f + splat(6.931472028550421e-1f);
-  y = y * f + splat(1.f);
+  vf y = horner(f, 1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f);
   return x < splat(-126.f) ? splat(0.f) : times_pow2(y, n);
 }
 
