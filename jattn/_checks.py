@@ -110,6 +110,8 @@ def float_array(x, name: str, *, tokens: bool = False) -> Array:
 
 def int_array(x, name: str, shape: tuple[int, ...] | None = None, what: str = "") -> Array:
     """``x`` as an integer array (of ``shape``, when given)."""
+    if x is None:
+        raise TypeError(f"{name} is required, got None.")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers, got dtype {x.dtype}.")

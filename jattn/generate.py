@@ -53,6 +53,7 @@ from jattn import masks as masks_lib
 __all__ = [
     "LinenDecodeFn",
     "LinenForwardFn",
+    "check_sampling",
     "check_stop",
     "generate",
     "generate_recompute",
@@ -71,7 +72,14 @@ ForwardFn = Callable[[Any, Array], Array]
 # ----------------------------------------------------------------------------------------
 
 
-def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
+def check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
+    """``(temperature, top_k)`` of a call's sampling arguments, checked: ``temperature`` a
+    finite float >= 0 (0 = greedy), ``top_k`` None or an int >= 1, and with
+    ``temperature > 0`` one ``jax.random`` key.
+
+    Raises:
+      TypeError, ValueError: naming the argument and the fix.
+    """
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float >= 0, got {temperature!r}.")
     temperature = float(temperature)
@@ -89,6 +97,8 @@ def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
             f"sampling with temperature={temperature} needs a random key: pass "
             "key=jax.random.key(seed), or temperature=0.0 for greedy decoding."
         )
+    if temperature > 0.0:
+        _checks.rng(key, "key")
     return temperature, top_k
 
 
@@ -127,7 +137,7 @@ def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, t
     Returns:
       int32 ``[batch...]`` token ids.
     """
-    temperature, top_k = _check_sampling(temperature, top_k, key)
+    temperature, top_k = check_sampling(temperature, top_k, key)
     logits = jnp.asarray(logits)
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise TypeError(
@@ -242,6 +252,13 @@ def check_stop(eos_id, pad_id, vocab_size: int | None = None) -> tuple[Array, in
       ValueError: ids that are not ints >= 0 (below ``vocab_size``), an empty sequence.
     """
     hint = f" in [0, {vocab_size})" if vocab_size is not None else " >= 0"
+    if hasattr(eos_id, "dtype") and hasattr(eos_id, "ndim"):  # a numpy or jax array
+        if not jnp.issubdtype(eos_id.dtype, jnp.integer) or eos_id.ndim > 1:
+            raise ValueError(
+                f"eos_id must be None, a token id or a sequence of token ids, got an array of "
+                f"{eos_id.dtype} {eos_id.shape}."
+            )
+        eos_id = np.asarray(eos_id).tolist()  # an int (0-d) or a list of ints
 
     def token_id(value, name):
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
@@ -384,7 +401,7 @@ def generate(
       ``b``'s continuation is ``tokens[b, :lengths[b]]``.
     """
     _check_model_fn(decode_fn, "decode_fn")
-    temperature, top_k = _check_sampling(temperature, top_k, key)
+    temperature, top_k = check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
     eos_ids, pad_id = check_stop(eos_id, pad_id)
     _checks.flag(return_lengths, "return_lengths")
@@ -439,7 +456,7 @@ def generate_stream(
       (so with one row it stops before yielding its stop token, as the book's).
     """
     _check_model_fn(decode_fn, "decode_fn")
-    temperature, top_k = _check_sampling(temperature, top_k, key)
+    temperature, top_k = check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
     eos_ids, pad_id = check_stop(eos_id, pad_id)
     _check_cache_room(cache, lengths, max_new_tokens)
@@ -525,7 +542,7 @@ def generate_recompute(
       logits agree.
     """
     _check_model_fn(forward_fn, "forward_fn")
-    temperature, top_k = _check_sampling(temperature, top_k, key)
+    temperature, top_k = check_sampling(temperature, top_k, key)
     prompt, lengths = _check_prompt(prompt, prompt_lengths, max_new_tokens)
     eos_ids, pad_id = check_stop(eos_id, pad_id)
     _checks.flag(return_lengths, "return_lengths")

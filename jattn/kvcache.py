@@ -320,6 +320,11 @@ def _check_chunk(cache: AnyCache, key, value, num_new):
         and _checks.is_host_value(cache.lengths)
         and _checks.is_host_value(num_new)
     ):
+        if cache.lengths.size and np.asarray(cache.lengths).min() < 0:
+            raise ValueError(
+                "cache.lengths must be >= 0 (tokens held), got "
+                f"{np.asarray(cache.lengths).tolist()}."
+            )
         ends = np.asarray(cache.lengths) + np.asarray(num_new)
         if ends.size and ends.max() > cap:
             raise ValueError(
@@ -341,7 +346,7 @@ def _append(cache: AnyCache, key: Array, value: Array, num_new: Array) -> AnyCac
     # [B, T]: where each chunk token goes; padding and overflow get index `cap`, which
     # mode="drop" discards, so a write can never clamp onto (and clobber) a real entry.
     starts = cache.lengths.reshape(n, 1)
-    dest = jnp.where(t < num_new.reshape(n, 1), starts + t, cap)
+    dest = jnp.where((t < num_new.reshape(n, 1)) & (starts + t >= 0), starts + t, cap)
     return KVCache(
         keys=_write(cache.keys, key, dest),
         values=_write(cache.values, value, dest),
@@ -778,6 +783,11 @@ def update_and_attend(
     _check_attention_kwargs(attention_kwargs, "update_and_attend")
     query = _check_query(query, cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
+    if query.shape[-3] != key.shape[-3]:
+        raise ValueError(
+            f"query and key must hold the same chunk of T tokens (query {query.shape}, key "
+            f"{key.shape}): each query sits at its key's position."
+        )
     rolling = isinstance(cache, RollingKVCache)
     kv_len = capacity(cache) + (query.shape[-3] if rolling else 0)
     _check_modifiers(score_mod, mask_mod, query, kv_len)

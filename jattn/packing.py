@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, functional, mods
+from jattn import _checks, _util, functional, mods
 
 __all__ = ["Packed", "pack", "positions_from_segment_ids", "unpack", "varlen_attention"]
 
@@ -62,6 +62,9 @@ class Packed(NamedTuple):
     lengths: np.ndarray
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _check_size(value, name: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
@@ -81,6 +84,11 @@ def _as_sequences(sequences) -> list[np.ndarray]:
             raise ValueError(
                 f"sequences[{i}] must be a non-empty 1-D array of integer token ids, got "
                 f"dtype {arr.dtype}, shape {arr.shape}."
+            )
+        if not _INT32.min <= arr.min() <= arr.max() <= _INT32.max:  # no silent wrap-around
+            raise ValueError(
+                f"sequences[{i}] holds ids from {arr.min()} to {arr.max()}; packed rows are "
+                "int32, so ids must fit in it."
             )
         out.append(arr)
     if not out:
@@ -112,6 +120,12 @@ def pack(sequences, row_length: int, *, num_rows: int | None = None, pad_id: int
     """
     seqs = _as_sequences(sequences)
     row_length = _check_size(row_length, "row_length")
+    if (
+        isinstance(pad_id, bool)
+        or not isinstance(pad_id, numbers.Integral)
+        or not _INT32.min <= pad_id <= _INT32.max
+    ):
+        raise ValueError(f"pad_id must be an int token id (int32), got {pad_id!r}.")
     for i, seq in enumerate(seqs):
         if seq.size > row_length:
             raise ValueError(
@@ -171,6 +185,8 @@ def unpack(packed: Packed, values=None) -> list:
     if not isinstance(packed, Packed):
         raise TypeError(f"packed must be a jattn.Packed from jattn.pack, got {type(packed)}.")
     values = packed.tokens if values is None else values
+    if not hasattr(values, "shape"):  # a nested list
+        values = np.asarray(values)
     if tuple(values.shape[:2]) != packed.tokens.shape:
         raise ValueError(
             f"values must have shape [num_rows, row_length, ...] = "
@@ -184,7 +200,9 @@ def positions_from_segment_ids(segment_ids) -> Array:
     """Each token's position in its document: 0 where the segment id changes, then counting.
 
     Args:
-      segment_ids: int ``[batch..., T]``; a document is a run of equal ids.
+      segment_ids: int ``[batch..., T]``; a document is a run of equal ids (an id that
+        comes back after another starts a new run at 0, while attention joins equal ids:
+        the models refuse such rows unless given ``positions=``).
 
     Returns:
       int32 ``[batch..., T]``; for :func:`pack`'s segment ids, its ``positions`` (and
@@ -239,6 +257,15 @@ def _check_cu_seqlens(cu, name: str, total: int) -> Array:
     return cu.astype(jnp.int32)
 
 
+def _same_values(a: Array, b: Array) -> bool:
+    """Whether two ``cu_seqlens`` are one array or equal concrete ones (False when
+    either is traced)."""
+    if a is b:
+        return True
+    hosts = _checks.is_host_value(a) and _checks.is_host_value(b)
+    return hosts and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
 def _segments(cu: Array, total: int, padding_id: int) -> tuple[Array, Array]:
     """``(segment ids [total], local positions [total])`` of the tokens described by ``cu``;
     tokens past ``cu[-1]`` get ``padding_id``."""
@@ -282,12 +309,12 @@ def varlen_attention(
       cu_seqlens_q: int ``[num_sequences + 1]``, ``[0, n_0, n_0 + n_1, ...]``: where each
         sequence's queries start (FlashAttention's ``cu_seqlens_q``).
       cu_seqlens_k: int ``[num_sequences + 1]`` for the keys; default ``cu_seqlens_q``
-        (self-attention).
+        (self-attention; ``cu_seqlens_q`` itself, or equal concrete values, count as it).
       is_causal: query ``i`` of a sequence sees its keys ``j <= i + n_k - n_q`` (top-left
         when ``n_q == n_k``; bottom-right otherwise, as FlashAttention >= 2.1).
       scale: multiplier of the logits; default ``1 / sqrt(head_dim)``.
       local_window_size: ``int`` or ``(left, right)`` as :func:`jattn.dot_product_attention`;
-        self-attention only (``cu_seqlens_k`` not given).
+        self-attention only (``cu_seqlens_k`` not given, or equal to ``cu_seqlens_q``).
       dropout_rate, dropout_rng, deterministic, dtype, precision, implementation: as
         :func:`jattn.dot_product_attention`.
 
@@ -318,6 +345,8 @@ def varlen_attention(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"shapes {cu_q.shape} and {cu_k.shape}."
         )
+    if not self_attention and total_q == total_k and _same_values(cu_seqlens_q, cu_seqlens_k):
+        self_attention = True  # FlashAttention's habit: cu_seqlens_q passed for both
     if self_attention and total_q != total_k:
         raise ValueError(
             f"query has {total_q} tokens and key {total_k}: pass cu_seqlens_k for the keys "
@@ -325,11 +354,19 @@ def varlen_attention(
         )
     if local_window_size is not None and not self_attention:
         raise ValueError(
-            "local_window_size needs self-attention (cu_seqlens_k not given): a window over "
+            "local_window_size needs self-attention (cu_seqlens_k not given, or equal to "
+            "cu_seqlens_q): a window over "
             "the concatenated tokens is a window per sequence only when queries and keys are "
             "the same tokens."
         )
     _checks.flag(is_causal, "is_causal")
+    if is_causal and not self_attention and implementation in _util.KERNELS:
+        raise ValueError(
+            f"varlen_attention: implementation={implementation!r} cannot run causal attention "
+            "with cu_seqlens_k (aligned bottom-right per sequence, a mask function the kernel "
+            "cannot take). Use implementation=None, 'blockwise' or 'dense'; for "
+            "self-attention leave cu_seqlens_k out."
+        )
     q_seg, q_local = _segments(cu_q, total_q, -1)
     kv_seg, kv_local = _segments(cu_k, total_k, -2)  # padding queries and keys never meet
     mask_mod = None

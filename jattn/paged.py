@@ -62,9 +62,11 @@ The attention error this adds is measured in ``tests/test_paged.py`` and
 ``benchmarks/bench_serving.py`` (the logits against float32 pages).
 
 **Capacity.** A row holds ``page_table.shape[-1] * page_size`` positions. As with
-:class:`jattn.kvcache.KVCache`, an eager call whose chunk does not fit raises a ValueError;
-under ``jax.jit`` tokens past the table (or on unallocated pages) are not written,
-``lengths`` stops at the table's capacity, and their queries attend nothing.
+:class:`jattn.kvcache.KVCache`, an eager call whose chunk does not fit raises a ValueError,
+and so does one whose real tokens would land on an unallocated page. Under ``jax.jit``
+tokens past the table are not written, ``lengths`` stops at the table's capacity, and
+their queries attend nothing; tokens on unallocated pages are not written either, but
+count in ``lengths`` and read back as zeros on every path.
 """
 
 from __future__ import annotations
@@ -116,7 +118,9 @@ class PagedKVCache(NamedTuple):
         ``[0, rows)`` is padding. With it, a step attends each listed block and merges the
         blocks of a row by their log-sum-exps, so its cost follows the blocks listed, not
         ``rows x pages_per_seq``; the list must hold every block of a row below its length
-        after the chunk (:func:`block_list`). None: attend the whole page table.
+        after the chunk (:func:`block_list`; an eager call checks), and a row it leaves out
+        entirely attends nothing. It describes one step: the cache a call returns has
+        None. None: attend the whole page table.
     """
 
     k_pages: Array
@@ -287,7 +291,8 @@ def _check_cache(cache) -> PagedKVCache:
 
 
 def _check_chunk(cache: PagedKVCache, key, value, num_new) -> tuple[Array, Array, Array]:
-    key, value = jnp.asarray(key), jnp.asarray(value)
+    key = _checks.float_array(key, "key", tokens=True)
+    value = _checks.float_array(value, "value", tokens=True)
     batch = cache.lengths.shape
     for name, x, pool in (("key", key, cache.k_pages), ("value", value, cache.v_pages)):
         if x.ndim != len(batch) + 3 or x.shape[:-3] != batch or x.shape[-2:] != pool.shape[-2:]:
@@ -317,13 +322,34 @@ def _check_chunk(cache: PagedKVCache, key, value, num_new) -> tuple[Array, Array
         n, lengths = np.asarray(num_new), np.asarray(cache.lengths)
         if n.size and (n.min() < 0 or n.max() > chunk_len):
             raise ValueError(f"num_new must be in [0, {chunk_len}], got {n.tolist()}.")
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"cache.lengths must be >= 0 (tokens held), got {lengths.tolist()}.")
         if n.size and (lengths + n).max() > capacity(cache):
             raise ValueError(
                 f"paged KV cache overflow: rows with lengths {lengths.tolist()} cannot take "
                 f"{n.tolist()} more tokens; the page table holds {cache.page_table.shape[-1]} "
                 f"pages of {page_size(cache)} positions. Pass a wider page_table."
             )
+        if _checks.is_host_value(cache.page_table):
+            _check_allocated(cache, lengths.reshape(-1), n.reshape(-1))
     return key, value, num_new
+
+
+def _check_allocated(cache: PagedKVCache, lengths: np.ndarray, num_new: np.ndarray) -> None:
+    """A ValueError where a chunk's real token would land on an unallocated page (eager:
+    under jit such a token is dropped, and its row's length still counts it)."""
+    size, num_pages = page_size(cache), cache.k_pages.shape[0]
+    table = np.asarray(cache.page_table).reshape(lengths.size, -1)
+    for row, (start, n) in enumerate(zip(lengths, num_new, strict=True)):
+        index = np.arange(start // size, pages_needed(start + n, size)) if n else []
+        missing = [int(i) for i in index if not 0 <= table[row, i] < num_pages]
+        if missing:
+            raise ValueError(
+                f"row {row} writes positions {start}..{start + n - 1}, but page_table[{row}, "
+                f"{missing[0]}] = {table[row, missing[0]]} is not an allocated page (ids are in "
+                f"[0, {num_pages})). Write a page id into the table before the chunk "
+                "(jattn.models.generate_many allocates pages for you)."
+            )
 
 
 def _check_query(query, key: Array) -> Array:
@@ -357,7 +383,7 @@ def append(cache: PagedKVCache, key, value, *, num_new=None) -> PagedKVCache:
     """
     cache = _check_cache(cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
-    return _append(cache, key, value, num_new)
+    return _append(cache, key, value, num_new)._replace(blocks=None)
 
 
 def _append(cache: PagedKVCache, key: Array, value: Array, num_new: Array) -> PagedKVCache:
@@ -370,7 +396,8 @@ def _append(cache: PagedKVCache, key: Array, value: Array, num_new: Array) -> Pa
     pos = cache.lengths.reshape(n, 1) + t  # [N, T]: each token's position
     # [N, T]: the page of each position (out-of-table positions read an unallocated entry)
     page = jnp.take_along_axis(table, jnp.minimum(pos // size, width - 1), axis=1)
-    real = (t < num_new.reshape(n, 1)) & (pos < width * size) & (page >= 0) & (page < num_pages)
+    real = (t < num_new.reshape(n, 1)) & (pos >= 0) & (pos < width * size)
+    real = real & (page >= 0) & (page < num_pages)
     # [N, T]: the flat slot of the pool; padding, overflow and unallocated pages get
     # num_pages * page_size, which mode="drop" discards (never clamped onto a real entry).
     dest = jnp.where(real, page * size + pos % size, num_pages * size)
@@ -417,17 +444,20 @@ def gather(cache: PagedKVCache) -> kvcache.KVCache:
     return _gather(_check_cache(cache))
 
 
-def _gather(cache: PagedKVCache, *, masked: bool = False) -> kvcache.KVCache:
-    """:func:`gather`; ``masked``: the caller masks every key past a row's length, so an
-    unallocated page may read any page's contents (a clamped read, cheaper than a filled one)."""
+def _gather(cache: PagedKVCache) -> kvcache.KVCache:
+    """:func:`gather` of a checked cache."""
     width, size = cache.page_table.shape[-1], page_size(cache)
+    num_pages = cache.k_pages.shape[0]
+    table = cache.page_table.reshape(-1)
+    # every unallocated entry as num_pages, which mode="fill" reads as zeros (a negative
+    # entry would otherwise count from the end of the pool, as numpy's indices do)
+    table = jnp.where((table >= 0) & (table < num_pages), table, num_pages)
 
     def read(pool: Array) -> Array:
         # each page as one row: XLA's CPU gather copies whole rows of a 2-D operand faster
         # (about 1.7x) than [page_size, K, D] slices of the 4-D pool
         rows = pool.reshape(pool.shape[0], -1)  # [num_pages, page_size * K * D]
-        mode = dict(mode="clip") if masked else dict(mode="fill", fill_value=0)
-        pages = jnp.take(rows, cache.page_table.reshape(-1), axis=0, **mode)
+        pages = jnp.take(rows, table, axis=0, mode="fill", fill_value=0)
         # [batch..., P * page_size, K, D]
         return pages.reshape(*cache.page_table.shape[:-1], width * size, *pool.shape[2:])
 
@@ -464,19 +494,42 @@ def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, *
     """
     cache = _check_cache(cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
+    query = _check_query(query, key)
     updated = _append(cache, key, value, num_new)
     if _plain(attend_kwargs) and fused(cache, query, attend_kwargs):
-        query = _check_query(query, key)
-        return _attend_fused(updated, query, cache.lengths, num_new, attend_kwargs), updated
-    if cache.blocks is not None and _plain(attend_kwargs):
-        query = _check_query(query, key)
-        return _attend_blocks(updated, query, cache.lengths, num_new, attend_kwargs), updated
-    # attend masks every key past a row's length: unallocated pages need not read as zeros
-    out = kvcache.attend(
-        _gather(updated, masked=True), query, starts=cache.lengths, num_new=num_new,
-        **attend_kwargs,
-    )  # fmt: skip
-    return out, updated
+        out = _attend_fused(updated, query, cache.lengths, num_new, attend_kwargs)
+    elif cache.blocks is not None and _plain(attend_kwargs):
+        _check_blocks(cache, num_new)
+        out = _attend_blocks(updated, query, cache.lengths, num_new, attend_kwargs)
+    else:
+        out = kvcache.attend(
+            _gather(updated), query, starts=cache.lengths, num_new=num_new, **attend_kwargs
+        )
+    # a work list describes this step's lengths alone: the next step needs its own
+    return out, updated._replace(blocks=None)
+
+
+def _check_blocks(cache: PagedKVCache, num_new: Array) -> None:
+    """Eager: a ValueError when the work list names a row but misses one of the blocks it
+    holds after the chunk (their keys would silently drop out of its softmax); a row the
+    list leaves out entirely attends nothing, as documented."""
+    if not all(_checks.is_host_value(x) for x in (cache.blocks, cache.lengths, num_new)):
+        return
+    lengths = np.asarray(cache.lengths).reshape(-1)
+    ends = np.minimum(lengths + np.asarray(num_new).reshape(-1), capacity(cache))
+    need = -(-ends // block_size(page_size(cache)))
+    pairs = np.asarray(cache.blocks).astype(np.int64)
+    have = np.zeros((lengths.size, max(int(need.max(initial=0)), 1)), bool)
+    ok = (pairs[:, 0] >= 0) & (pairs[:, 0] < lengths.size) & (pairs[:, 1] >= 0)
+    ok &= pairs[:, 1] < have.shape[1]
+    have[pairs[ok, 0], pairs[ok, 1]] = True
+    for row in range(lengths.size):
+        if have[row].any() and not have[row, : need[row]].all():
+            raise ValueError(
+                f"cache.blocks misses blocks of row {row}, which holds {ends[row]} positions "
+                f"after the chunk: pass blocks=paged.block_list(lengths + num_new, page_size) "
+                f"for this step ({ends.tolist()} here), or blocks=None."
+            )
 
 
 # The keywords the block path passes on; with any other one set (a mask, a modifier, sinks,
@@ -564,7 +617,7 @@ def _attend_blocks(cache: PagedKVCache, query: Array, starts: Array, num_new: Ar
     pages = jnp.where(
         idx < width, table[r[:, None], jnp.minimum(idx, width - 1)], cache.k_pages.shape[0]
     )
-    keys = _gather(cache._replace(page_table=pages), masked=True)  # [N, S, K, D], values
+    keys = _gather(cache._replace(page_table=pages))  # [N, S, K, D], values
     # [N, 1, T, S]: written keys, causal per row, real stored queries (as kvcache.attend)
     t = jnp.arange(chunk_len, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
     pos_k = (block[:, None] * span + jnp.arange(span, dtype=jnp.int32)[None, :])[:, None, :]

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jattn
-from jattn import causality, convert, kernels, kvcache, masks, mods, ring
+from jattn import causality, convert, kernels, kvcache, masks, mods, paged, ring
 from jattn import generate as gen
 from jattn import linen as jl
 from jattn import nnx as jn
@@ -133,6 +133,13 @@ def rope_mha(api):
 CACHE = kvcache.init_cache(2, 4, 1, 4)  # batch 2, capacity 4, 1 head of width 4
 CHUNK = jnp.ones((2, 2, 1, 4))
 ROLLING = kvcache.init_cache(2, 4, 1, 4, rolling=True)
+# a paged cache: 2 rows, a pool of 4 pages of 2 positions, 2 pages per row, none allocated
+PAGED = paged.init_paged_cache(2, 4, 2, 2, 1, 4)
+OWNED = PAGED._replace(page_table=jnp.array([[0, 1], [2, 3]], jnp.int32))  # all allocated
+# one row holding 127 positions on pages of 2 (work-list blocks of 128 positions)
+LONG = paged.init_paged_cache(1, 80, 2, 80, 1, 4)._replace(
+    page_table=jnp.arange(80, dtype=jnp.int32)[None], lengths=jnp.array([127], jnp.int32)
+)
 
 
 LOGITS = jnp.ones((2, 5))
@@ -487,6 +494,14 @@ CASES = [
     Case("kvcache.rolling_mask", "float starts", T, "starts must hold integers", lambda: kvcache.rolling_mask(jnp.zeros(2), 2, 4)),
     Case("kvcache.rolling_mask", "float num_new", T, "num_new must hold integers", lambda: kvcache.rolling_mask(jnp.zeros(2, int), 2, 4, num_new=jnp.ones(2))),
     Case("nnx.MultiHeadAttention.init_cache", "rolling='yes'", T, "rolling must be a Python bool", lambda: nnx_mha().init_cache((2, 4, 6), rolling="yes")),
+    Case("kvcache.update_and_attend", "queries of another chunk length than the keys", V, "query and key must hold the same chunk", lambda: kvcache.update_and_attend(CACHE, jnp.ones((2, 1, 1, 4)), CHUNK, CHUNK)),
+    Case("kvcache.append", "negative cache.lengths", V, "cache.lengths must be >= 0", lambda: kvcache.append(CACHE._replace(lengths=jnp.array([-1, 0])), CHUNK, CHUNK)),
+    # paged
+    Case("paged.append", "a chunk onto unallocated pages", V, "is not an allocated page", lambda: paged.append(PAGED, CHUNK, CHUNK)),
+    Case("paged.append", "int keys", T, "key must have a floating dtype", lambda: paged.append(OWNED, CHUNK.astype(int), CHUNK)),
+    Case("paged.append", "negative cache.lengths", V, "cache.lengths must be >= 0", lambda: paged.append(OWNED._replace(lengths=jnp.array([-1, 0])), CHUNK, CHUNK)),
+    Case("paged.update_and_attend", "queries of another chunk length than the keys", V, "query must have shape", lambda: paged.update_and_attend(OWNED, jnp.ones((2, 1, 1, 4)), CHUNK, CHUNK, implementation="xla")),
+    Case("paged.update_and_attend", "a work list (cache.blocks) missing a row's block", V, "cache.blocks misses blocks of row 0", lambda: paged.update_and_attend(LONG._replace(blocks=jnp.array([[0, 0]])), CHUNK[:1], CHUNK[:1], CHUNK[:1], implementation="xla")),
     Case("kvcache.decode_mask", "q_len=0", V, "q_len must be >= 1", lambda: kvcache.decode_mask(jnp.zeros(2, int), jnp.zeros(2, int), 0, 4)),
     # generate
     Case("generate.sample_next", "temperature=-1", V, "temperature must be >= 0", sample(temperature=-1.0)),
@@ -496,6 +511,8 @@ CASES = [
     Case("generate.sample_next", "top_k=0", V, "top_k must be an int >= 1 or None", sample(top_k=0)),
     Case("generate.sample_next", "top_k=2.5", V, "top_k must be an int >= 1 or None", sample(top_k=2.5)),
     Case("generate.sample_next", "temperature > 0 without a key", V, "needs a random key", lambda: gen.sample_next(jnp.ones((2, 5)), temperature=1.0)),
+    Case("generate.sample_next", "key=0 (an int, not a key)", T, "key must be one jax.random key", lambda: gen.sample_next(LOGITS, 0, temperature=1.0)),
+    Case("generate.check_stop", "eos_id as a float array", V, "got an array of float32", lambda: gen.check_stop(jnp.array([1.0]), None)),
     Case("generate.sample_next", "int logits", T, "logits must be a float array", sample(jnp.ones((2, 5), int))),
     Case("generate.sample_next", "scalar logits", V, "logits must have shape [batch..., vocab]", sample(jnp.array(1.0))),
     Case("generate.sample_next", "an empty vocabulary", V, "with vocab >= 1", sample(jnp.ones((2, 0)))),

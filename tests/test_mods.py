@@ -297,6 +297,33 @@ def test_a_very_negative_sink_changes_nothing():
     np.testing.assert_allclose(with_sink, dpa(q, k, v, is_causal=True), atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_user_modifiers_on_the_blockwise_path_with_x64_on(dtype):
+    """With jax_enable_x64 the blockwise loop counters are int64; a modifier comparing or
+    subtracting its indices still gets int32 ones (it used to fail inside lax)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.normal(size=(1, 300, 2, 8)) for _ in range(3))
+        table = jnp.arange(300, dtype=jnp.int32)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return table[kv_idx] <= q_idx
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s - (q_idx - kv_idx).astype(s.dtype) * 0.01
+
+        want, _, _ = np_flex_attention(
+            q, k, v, score=lambda s, b, h, qi, ki: s - (qi - ki) * 0.01,
+            mask=np.tri(300, dtype=bool),
+        )  # fmt: skip
+        out = dpa(
+            *(jnp.asarray(x, dtype) for x in (q, k, v)), mask_mod=mask_mod,
+            score_mod=score_mod, implementation="blockwise",
+        )  # fmt: skip
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out, want, atol=1e-12 if dtype == jnp.float64 else 2e-5)
+
+
 # ----------------------------------------------------------------------------------------
 # Gradients (finite differences, float64) and transformations
 # ----------------------------------------------------------------------------------------

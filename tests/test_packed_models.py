@@ -121,12 +121,35 @@ def test_explicit_positions_equal_the_derived_ones_and_blockwise_equals_dense():
         (dict(segment_ids=np.zeros((2, 16))), TypeError, "segment_ids must hold integers"),
         (dict(positions=np.full((16,), 32)), ValueError, r"positions must be in \[0, 31\]"),
         (dict(positions=np.full((16,), -1)), ValueError, "positions must be in"),
+        # one value per row is not one per token (it would broadcast over the row)
+        (dict(positions=np.zeros((2, 1), np.int32)), ValueError, "broadcastable"),
+        (dict(segment_ids=np.ones((2, 1), np.int32)), ValueError, "broadcastable"),
+        # document 1 again after document 2: attention would join the runs, positions not
+        (
+            dict(segment_ids=np.repeat([[1, 2, 1, 0]], 4, axis=1).repeat(2, axis=0)),
+            ValueError,
+            "comes back to document 1 at token 8",
+        ),
     ],
 )
 def test_bad_packed_arguments_are_a_clear_error(kwargs, error, match):
     model = models.from_book("gpt2", CFGS["gpt2"], random_state_dict("gpt2", CFGS["gpt2"], 0))
     with pytest.raises(error, match=match):
         model(np.zeros((2, 16), np.int32), **kwargs)
+
+
+def test_a_document_split_in_two_runs_with_explicit_positions_is_one_document():
+    """With positions= given, ids are read as attention reads them: document 1 in two
+    runs, positions continuing across the gap, equals document 1 alone."""
+    model = models.from_book("gpt2", CFGS["gpt2"], random_state_dict("gpt2", CFGS["gpt2"], 0))
+    a, b, c = documents()[:3]  # 5, 9 and 3 tokens
+    tokens = np.concatenate([a, b, c])[None]
+    seg = np.array([[1] * 5 + [2] * 9 + [1] * 3])
+    pos = np.array([[*range(5), *range(9), *range(5, 8)]])
+    got = np.asarray(model(tokens, segment_ids=seg, positions=pos))[0]
+    alone = np.asarray(model(np.concatenate([a, c])[None]))[0]
+    np.testing.assert_allclose(got[seg[0] == 1], alone, atol=1e-5)
+    np.testing.assert_allclose(got[seg[0] == 2], np.asarray(model(b[None]))[0], atol=1e-5)
 
 
 def test_packed_arguments_in_decode_mode_are_a_clear_error():

@@ -59,6 +59,13 @@ def test_positions_from_segment_ids_restart_per_document():
         (lambda: jattn.pack(SEQS, 6, num_rows=1), ValueError, "need 2 rows"),
         (lambda: jattn.pack(SEQS, 0), ValueError, "row_length must be"),
         (lambda: jattn.unpack(jattn.pack(SEQS, 6), np.zeros((3, 6))), ValueError, "num_rows"),
+        (lambda: jattn.pack(SEQS, 6, pad_id=None), ValueError, "pad_id must be an int"),
+        (lambda: jattn.pack(SEQS, 6, pad_id=0.5), ValueError, "pad_id must be an int"),
+        (lambda: jattn.pack(SEQS, 6, pad_id=2**40), ValueError, "pad_id must be an int"),
+        # ids past int32 would wrap around into other (valid-looking) ids
+        (lambda: jattn.pack([np.array([2**32 + 7])], 4), ValueError, "must fit in it"),
+        (lambda: jattn.pack([np.array([2**31], np.uint32)], 4), ValueError, "must fit in it"),
+        (lambda: jattn.positions_from_segment_ids(None), TypeError, "segment_ids is required"),
     ],
 )
 def test_bad_packing_input_is_a_clear_error(call, error, match):
@@ -164,9 +171,17 @@ def test_varlen_gradients_equal_the_per_sequence_gradients():
         (dict(cu_seqlens_q=[0.0, 8.0]), TypeError, "cu_seqlens_q"),
         (dict(cu_seqlens_q=[0, 8], cu_seqlens_k=[0, 4, 8]), ValueError, "same number"),
         (
-            dict(cu_seqlens_q=[0, 8], cu_seqlens_k=[0, 8], local_window_size=2),
+            dict(cu_seqlens_q=[0, 8], cu_seqlens_k=[0, 6], local_window_size=2),
             ValueError,
             "self-attention",
+        ),
+        (dict(cu_seqlens_q=None), TypeError, "cu_seqlens_q is required"),
+        (
+            dict(
+                cu_seqlens_q=[0, 8], cu_seqlens_k=[0, 6], is_causal=True, implementation="cpu_fused"
+            ),
+            ValueError,
+            "implementation='cpu_fused' cannot run causal attention with cu_seqlens_k",
         ),
     ],
 )
@@ -174,6 +189,52 @@ def test_bad_varlen_input_is_a_clear_error(kwargs, error, match):
     q, k, v = _qkv(8, 8)
     with pytest.raises(error, match=match):
         jattn.varlen_attention(q, k, v, **kwargs)
+
+
+def test_unpack_takes_nested_lists():
+    packed = jattn.pack(SEQS, 6)
+    values = np.arange(2 * 6).reshape(2, 6)
+    got = jattn.unpack(packed, values.tolist())
+    for a, b in zip(got, jattn.unpack(packed, values), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("same", ["object", "values"])
+def test_cu_seqlens_k_equal_to_cu_seqlens_q_is_self_attention(same):
+    """FlashAttention's habit, cu_seqlens_q passed for the keys too: self-attention, so a
+    window works and every implementation with segment ids serves it."""
+    cu = np.array([0, 5, 6, 19, 27])
+    cu_k = cu if same == "object" else cu.tolist()
+    q, k, v = _qkv(27, 27)
+    want = jattn.varlen_attention(q, k, v, cu_seqlens_q=cu, is_causal=True, local_window_size=3)
+    got = jattn.varlen_attention(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, is_causal=True, local_window_size=3
+    )
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, _per_sequence_windowed(q, k, v, cu, 3), atol=1e-5)
+
+
+def _per_sequence_windowed(q, k, v, cu, left):
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    for b in range(len(cu) - 1):
+        s, n = slice(cu[b], cu[b + 1]), cu[b + 1] - cu[b]
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        out[s] = np_attention(q[s], k[s], v[s], mask=(j <= i) & (j >= i - left))
+    return out
+
+
+def test_varlen_cross_causal_in_float64_on_the_blockwise_path():
+    """Bottom-right causal cross attention runs a mask function; with jax_enable_x64 its
+    tile indices used to be int64 against int32 and fail inside lax."""
+    with jax.enable_x64(True):
+        cu_q, cu_k = np.array([0, 100, 300]), np.array([0, 130, 320])
+        q, k, v = (x.astype(jnp.float64) for x in _qkv(300, 320))
+        out = jattn.varlen_attention(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, is_causal=True,
+            implementation="blockwise",
+        )  # fmt: skip
+        assert out.dtype == jnp.float64
+        np.testing.assert_allclose(out, _per_sequence(q, k, v, cu_q, cu_k, True), atol=1e-12)
 
 
 def test_varlen_needs_flat_inputs():

@@ -103,6 +103,89 @@ def test_unallocated_pages_are_not_written_and_read_zero():
     np.testing.assert_array_equal(view.keys[0, PAGE:], 0.0)
 
 
+def test_unallocated_entries_below_a_rows_length_read_zeros_on_every_path():
+    """Entries -1 and num_pages inside a row's length: gather, the XLA path, the work list
+    and the fused kernel all read zero keys and values there (not a page counted from the
+    pool's end, nor a clamped one), against numpy."""
+    rng = np.random.default_rng(7)
+    pool = 6
+    table = np.array([[3, -1, 1, 5], [2, pool, 0, 4]], np.int32)
+    k_pages, v_pages = (rng.normal(size=(pool, PAGE, K, D)).astype(np.float32) for _ in "kv")
+    cache = paged.init_paged_cache(2, pool, PAGE, 4, K, D)._replace(
+        k_pages=jnp.asarray(k_pages), v_pages=jnp.asarray(v_pages),
+        page_table=jnp.asarray(table), lengths=jnp.asarray([12, 10], jnp.int32),
+    )  # fmt: skip
+
+    def rows(pages):  # numpy: each row's pages in order, zeros where unallocated
+        zero = np.zeros_like(pages[0])
+        return np.stack([np.concatenate([pages[t] if 0 <= t < pool else zero for t in row])
+                         for row in table])  # fmt: skip
+
+    view = paged.gather(cache)
+    np.testing.assert_array_equal(view.keys, rows(k_pages))
+    np.testing.assert_array_equal(view.values, rows(v_pages))
+    q, k, v = qkv(rng, 1, batch=2)
+    for b, n in enumerate([12, 10]):  # the step's token lands on an allocated page
+        t = table[b, n // PAGE]
+        k_pages[t, n % PAGE], v_pages[t, n % PAGE] = k[b, 0], v[b, 0]
+    keys, values = rows(k_pages), rows(v_pages)
+    want = np.stack([np_attention(q[b], keys[b, : n + 1], values[b, : n + 1],
+                                  mask=np.ones((1, n + 1), bool))
+                     for b, n in enumerate([12, 10])])  # fmt: skip
+    blocks = jnp.asarray(paged.block_list([13, 11], PAGE))
+    calls = {
+        "xla": jit_fused(cache, q, k, v, implementation="xla")[0],
+        "work list": jit_fused(cache._replace(blocks=blocks), q, k, v, implementation="xla")[0],
+    }
+    if paged.fused(cache, q, {}):
+        calls["fused kernel"] = jit_fused(cache, q, k, v)[0]
+    for name, out in calls.items():
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_a_work_list_is_checked_eagerly_and_not_carried_to_the_next_step():
+    rng = np.random.default_rng(8)
+    cache = shuffled_cache(rng, width=WIDTH, pool=B * WIDTH)
+    q, k, v = qkv(rng, 2 * PAGE)
+    blocks = jnp.asarray(paged.block_list([2 * PAGE] * B, PAGE))
+    out, after = paged.update_and_attend(
+        cache._replace(blocks=blocks), q, k, v, implementation="xla"
+    )
+    assert after.blocks is None  # the list was for this step's lengths alone
+    assert paged.append(cache._replace(blocks=blocks), k, v).blocks is None
+    want, _ = paged.update_and_attend(cache, q, k, v, implementation="xla")
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    # a row listed with fewer blocks than it holds: a list kept from an earlier step
+    span = paged.block_size(PAGE)
+    long = paged.init_paged_cache(2, 80, PAGE, 40, K, D)._replace(
+        page_table=jnp.arange(80, dtype=jnp.int32).reshape(2, 40),
+        lengths=jnp.asarray([span, 3], jnp.int32), blocks=jnp.asarray([[0, 0], [1, 0]]),
+    )  # fmt: skip
+    one = [x[:2, :1] for x in (q, k, v)]
+    with pytest.raises(ValueError, match=r"cache\.blocks misses blocks of row 0"):
+        paged.update_and_attend(long, *one, implementation="xla")
+
+
+def test_eager_mistakes_the_values_reveal_raise():
+    rng = np.random.default_rng(9)
+    cache = paged.init_paged_cache(1, 4, PAGE, 3, K, D)
+    cache = cache._replace(page_table=jnp.asarray([[2, 4, 1]], jnp.int32))
+    q, k, v = qkv(rng, PAGE + 2, batch=1)
+    with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 4 is not an allocated page"):
+        paged.update_and_attend(cache, q, k, v)
+    with pytest.raises(ValueError, match=r"cache\.lengths must be >= 0"):
+        paged.append(cache._replace(lengths=jnp.asarray([-1])), k[:, :1], v[:, :1])
+    for implementation in (None, "xla"):
+        with pytest.raises(ValueError, match="query must have shape"):
+            paged.update_and_attend(
+                cache, q[:, :2], k[:, :1], v[:, :1], implementation=implementation
+            )
+    # under jit the chunk past the allocated page is dropped, as documented
+    after = jax.jit(paged.append)(cache, k, v)
+    np.testing.assert_array_equal(np.asarray(after.k_pages)[2], k[0, :PAGE])
+    assert not np.asarray(after.k_pages)[[0, 1, 3]].any()
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_prefill_and_decode_equal_contiguous_cache_and_numpy(chunked):
     rng = np.random.default_rng(2)

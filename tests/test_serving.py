@@ -220,8 +220,12 @@ def test_bad_input_is_named():
         models.generate_many(model, p, [3, 4], slots=1)
     with pytest.raises(ValueError, match="slots must be an int >= 1"):
         models.generate_many(model, p, 4, slots=0)
-    with pytest.raises(ValueError, match="eos_id values"):
+    with pytest.raises(ValueError, match=r"eos_id must be a token id \(an int in \[0, 61\)\)"):
         models.generate_many(model, p, 4, slots=1, eos_id=61)
+    with pytest.raises(ValueError, match="empty sequence"):  # as generate says
+        models.generate_many(model, p, 4, slots=1, eos_id=[])
+    with pytest.raises(TypeError, match=r"key must be one jax\.random key"):
+        models.generate_many(model, p, 4, slots=1, temperature=1.0, key=0)
     with pytest.raises(ValueError, match="needs a random key"):
         models.generate_many(model, p, 4, slots=1, temperature=1.0)
     with pytest.raises(ValueError, match="num_pages"):

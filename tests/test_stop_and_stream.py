@@ -199,6 +199,26 @@ def test_bad_stop_arguments_are_a_clear_error(kwargs, match):
         models.generate(model, PROMPT, 4, **kwargs)
     with pytest.raises(ValueError, match=match):
         models.generate_stream(model, PROMPT, 4, **kwargs)
+    if "pad_id" not in kwargs:  # generate_many returns each row's tokens, no padding
+        with pytest.raises(ValueError, match=match):
+            models.generate_many(model, list(np.asarray(PROMPT)), 4, slots=2, **kwargs)
+
+
+def test_array_arguments_read_as_their_values():
+    """numpy and jax integers and arrays where the signature says int or ids: the same
+    tokens as Python values (they were refused, or read as out of range)."""
+    model, _ = load("gpt2")
+    prompts = list(np.asarray(PROMPT))
+    want = models.generate(model, PROMPT, 4, eos_id=[5, 6])
+    np.testing.assert_array_equal(
+        models.generate(model, PROMPT, np.int64(4), eos_id=jnp.array([5, 6])), want
+    )
+    many = models.generate_many(model, prompts, 4, slots=2, eos_id=[5, 6])
+    got = models.generate_many(model, prompts, np.array([4, 4]), slots=2, eos_id=np.array([5, 6]))
+    assert [g.tolist() for g in got] == [m.tolist() for m in many]
+    one = models.generate_many(model, prompts, 4, slots=2, eos_id=5)
+    scalar = models.generate_many(model, prompts, 4, slots=2, eos_id=jnp.array(5))
+    assert [s.tolist() for s in scalar] == [o.tolist() for o in one]
 
 
 # ----------------------------------------------------------------------------------------

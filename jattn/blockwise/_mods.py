@@ -94,6 +94,8 @@ def tile_indices(*, n, k_heads, groups, head_offset, q_len, kv_len, row0, rows, 
     array by position stays in bounds.
     """
     i32 = jnp.int32
+    # loop counters are int64 with jax_enable_x64 on: the modifier sees int32 whatever
+    row0, col0, head_offset = (jnp.asarray(x).astype(i32) for x in (row0, col0, head_offset))
     b = jax.lax.broadcasted_iota(i32, (n, 1, 1, 1, 1), 0)
     kk = jax.lax.broadcasted_iota(i32, (1, k_heads, groups), 1) + head_offset
     h = kk * groups + jax.lax.broadcasted_iota(i32, (1, k_heads, groups), 2)

@@ -24,6 +24,26 @@ Array = jax.Array
 RngsArg = nnx.Rngs | nnx.RngStream | jax.Array | None
 
 
+def _check_runs(name: str, segment_ids: Array) -> None:
+    """Concrete ids: a ValueError where a row comes back to a document's id after another
+    document. Attention joins equal ids wherever they stand, while the default positions
+    restart at each run (:func:`jattn.positions_from_segment_ids`): the two would disagree."""
+    if isinstance(segment_ids, jax.core.Tracer):
+        return
+    ids = np.asarray(segment_ids).reshape(-1, segment_ids.shape[-1])
+    for r, row in enumerate(ids):
+        starts = np.concatenate([[0], np.flatnonzero(row[1:] != row[:-1]) + 1])
+        _, first = np.unique(row[starts], return_index=True)
+        if first.size < starts.size:  # an id begins two runs: the second one's start
+            again = starts[np.setdiff1d(np.arange(starts.size), first)[0]]
+            raise ValueError(
+                f"{name}: segment_ids row {r} comes back to document {row[again]} at token "
+                f"{again} after another document; attention joins equal ids wherever they "
+                "stand, while the default positions restart at each run. Give each document "
+                "its own id (jattn.pack does), or pass positions= explicitly."
+            )
+
+
 class LanguageModel(nnx.Module):
     """Base class of :class:`GPTModel`, :class:`Llama3Model` and :class:`Qwen3Model`."""
 
@@ -90,7 +110,9 @@ class LanguageModel(nnx.Module):
         Raises:
           TypeError: non-integer ids or positions.
           ValueError: shapes that do not broadcast to ``token_ids``; with decode; (when
-            concrete) negative positions, or GPT-2 positions past ``context_length - 1``.
+            concrete) negative positions, GPT-2 positions past ``context_length - 1``, or
+            without ``positions`` a document id that comes back after another document
+            (attention would join the two runs while their positions restart).
         """
         name, shape = type(self).__name__, token_ids.shape
         if decode:
@@ -110,7 +132,8 @@ class LanguageModel(nnx.Module):
             if not jnp.issubdtype(value.dtype, jnp.integer):
                 raise TypeError(f"{name}: {arg} must hold integers, got dtype {value.dtype}.")
             try:
-                ok = value.ndim >= 1 and jnp.broadcast_shapes(value.shape, shape) == shape
+                ok = value.ndim >= 1 and value.shape[-1] == shape[-1]  # one per token
+                ok = ok and jnp.broadcast_shapes(value.shape, shape) == shape
             except ValueError:
                 ok = False
             if not ok:
@@ -120,6 +143,8 @@ class LanguageModel(nnx.Module):
                 )
             checked.append(jnp.broadcast_to(value, shape).astype(jnp.int32))
         segment_ids, positions = checked
+        if positions is None and segment_ids is not None:
+            _check_runs(name, segment_ids)
         if positions is None:
             positions = (
                 jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)

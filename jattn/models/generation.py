@@ -23,6 +23,7 @@ shapes reuses the compiled program. The model itself is never modified.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -87,10 +88,11 @@ def _check_room(model: LanguageModel, prompt_len: int, max_new_tokens, window=No
     (unless a rolling cache of ``window`` positions serves a model without a position limit)."""
     if (
         isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
+        or not isinstance(max_new_tokens, numbers.Integral)
         or max_new_tokens < 1
     ):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    max_new_tokens = int(max_new_tokens)
     # The last new token is sampled but never fed back, so it takes no position.
     needed = prompt_len + max_new_tokens - 1
     context = model.cfg.context_length

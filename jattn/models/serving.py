@@ -129,6 +129,8 @@ def _check_prompts(model: LanguageModel, prompts) -> list[np.ndarray]:
 
 
 def _check_max_new(max_new_tokens, n: int) -> list[int]:
+    if hasattr(max_new_tokens, "ndim") and hasattr(max_new_tokens, "dtype"):  # an array
+        max_new_tokens = np.asarray(max_new_tokens).tolist()  # an int, or a list per prompt
     if isinstance(max_new_tokens, Sequence):
         if len(max_new_tokens) != n:
             raise ValueError(
@@ -137,37 +139,6 @@ def _check_max_new(max_new_tokens, n: int) -> list[int]:
             )
         return [_positive_int(m, f"max_new_tokens[{i}]") for i, m in enumerate(max_new_tokens)]
     return [_positive_int(max_new_tokens, "max_new_tokens")] * n
-
-
-def _check_eos(eos_id, vocab: int) -> frozenset[int]:
-    if eos_id is None:
-        return frozenset()
-    ids = [eos_id] if isinstance(eos_id, numbers.Integral) else eos_id
-    try:
-        ids = list(ids)
-    except TypeError:
-        raise TypeError(
-            f"eos_id must be None, an int or a sequence of ints, got {eos_id!r}."
-        ) from None
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab:
-            raise ValueError(f"eos_id values must be token ids in [0, {vocab}), got {eos_id!r}.")
-    return frozenset(int(i) for i in ids)
-
-
-def _check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float >= 0, got {temperature!r}.")
-    if not 0.0 <= float(temperature) < float("inf"):
-        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}.")
-    if top_k is not None:
-        top_k = _positive_int(top_k, "top_k")
-    if temperature > 0 and key is None:
-        raise ValueError(
-            f"sampling with temperature={temperature} needs a random key: pass "
-            "key=jax.random.key(seed), or temperature=0.0 for greedy decoding."
-        )
-    return float(temperature), top_k
 
 
 def _buckets(most: int, fine: bool = False) -> tuple[int, ...]:
@@ -633,7 +604,9 @@ def generate_many(
       eos_id: None, a token id or a sequence of ids: a request ends when its next token
         is one of them, which is not kept (the book's ``generate(..., eos_id=)``).
       temperature: 0 (default): greedy, each continuation equal to
-        :func:`jattn.models.generate` of its prompt alone; otherwise the book's sampling.
+        :func:`jattn.models.generate` of its prompt alone (in float32; in bfloat16 the
+        two paths' roundings may break a tie between logits differently); otherwise the
+        book's sampling.
       top_k: sample among the ``top_k`` largest logits (None: all).
       key: ``jax.random`` key, required when ``temperature > 0``; token ``j`` of request
         ``i`` uses ``fold_in(fold_in(key, i), j)``, so the result does not depend on
@@ -685,10 +658,11 @@ def generate_many(
                 f"request {i}: a prompt of {p.size} tokens and max_new_tokens={m} need "
                 f"{p.size + m - 1} positions, more than cfg['context_length'] = {context}."
             )
-    eos = _check_eos(eos_id, model.cfg.vocab_size)
+    eos_ids, _ = jgen.check_stop(eos_id, None, model.cfg.vocab_size)
+    eos = frozenset(np.asarray(eos_ids).tolist())
     if not isinstance(share_prefixes, bool) or not isinstance(kv_int8, bool):
         raise TypeError("share_prefixes and kv_int8 must be True or False.")
-    temperature, top_k = _check_sampling(temperature, top_k, key)
+    temperature, top_k = jgen.check_sampling(temperature, top_k, key)
     requests = [_Request(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_new, strict=True))]
     biggest = max(_need(r, page_size) for r in requests)
     num_pages = slots * biggest if num_pages is None else _positive_int(num_pages, "num_pages")
