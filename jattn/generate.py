@@ -283,7 +283,8 @@ def check_stop(eos_id, pad_id, vocab_size: int | None = None) -> tuple[Array, in
         pad_id = ids[0] if ids else 0
     elif not (isinstance(pad_id, numbers.Integral) and not isinstance(pad_id, bool)):
         raise ValueError(f"pad_id must be an int (the id after a row stops), got {pad_id!r}.")
-    return jnp.asarray(ids, jnp.int32).reshape(-1), int(pad_id)
+    # device_put: jnp.asarray would compile a conversion per shape of ids
+    return jax.device_put(np.asarray(ids, np.int32).reshape(-1)), int(pad_id)
 
 
 def _is_stop(tokens: Array, eos_ids: Array) -> Array:

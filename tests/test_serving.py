@@ -129,6 +129,9 @@ def test_compilations_do_not_grow_with_the_number_of_requests():
     with compile_events() as third:
         models.generate_many(model, many, 10, slots=2, **OPTS)
     assert third == []  # a new run of the same shapes compiles nothing
+    with compile_events() as stops:
+        models.generate_many(model, many, 10, slots=2, eos_id=[3, 5, 8], **OPTS)
+    assert stops == []  # nor do stop tokens (the ids are data, not a shape to compile)
     with compile_events() as fourth:
         _, s4 = models.generate_many(model, many[::-1], 10, slots=2, return_stats=True, **OPTS)
     assert len(fourth) <= len(set(s4.programs) - set(s2.programs))  # only shapes not run yet
