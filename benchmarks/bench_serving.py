@@ -499,6 +499,9 @@ def main(argv=None) -> None:
          f"{floor * 1e3:.1f} ms", ""),
         ("the part above it, 10% / 100% filled",
          f"{(steps[('paged', 0.1)] - floor) / (steps[('paged', 1.0)] - floor):.2f}x", ""),
+        (f"the one-page step in runs of {BURST}: the floor with the weights in the caches (one "
+         "call at a time, the previous candidate's call has pushed them out)",
+         f"{runs[('one page', 0.0)] * 1e3:.1f} ms", ""),
         ("decode step, paged over a page table 10% / 100% of the capacity wide",
          f"{steps[('table', 0.1)] / steps[('table', 1.0)]:.2f}x "
          f"({steps[('table', 0.1)] * 1e3:.1f} / {steps[('table', 1.0)] * 1e3:.1f} ms)", ""),
