@@ -71,6 +71,7 @@ count in ``lengths`` and read back as zeros on every path.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from typing import Any, NamedTuple
 
@@ -493,6 +494,7 @@ def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, *
       the updated paged cache.
     """
     cache = _check_cache(cache)
+    _check_keywords(attend_kwargs)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
     query = _check_query(query, key)
     updated = _append(cache, key, value, num_new)
@@ -507,6 +509,34 @@ def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, *
         )
     # a work list describes this step's lengths alone: the next step needs its own
     return out, updated._replace(blocks=None)
+
+
+def _parameters(fn, *leave_out: str) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters) - set(leave_out)
+
+
+# What update_and_attend's **attend_kwargs may hold: kvcache.attend's keywords and the
+# dot_product_attention ones it passes on.
+_ATTEND_KEYWORDS = _parameters(
+    kvcache.attend, "cache", "query", "starts", "num_new", "attention_kwargs"
+) | _parameters(functional.dot_product_attention, "query", "key", "value")
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """A TypeError for a keyword :func:`jattn.kvcache.attend` does not take: the fused
+    kernel reads a few of them and would otherwise ignore a misspelt one."""
+    unknown = sorted(set(kwargs) - _ATTEND_KEYWORDS)
+    if "rolling" in unknown:
+        raise TypeError(
+            "a paged cache has no rolling mode: it frees memory by pages (generate_many "
+            "does); for a sliding window pass local_window_size=."
+        )
+    if unknown:
+        raise TypeError(
+            f"update_and_attend() got unexpected keyword arguments {unknown}: it takes those "
+            "of jattn.kvcache.attend (mask, is_causal, local_window_size, score_mod, "
+            "mask_mod, sinks, dtype, implementation, ...)."
+        )
 
 
 def _check_blocks(cache: PagedKVCache, num_new: Array) -> None:

@@ -501,6 +501,8 @@ CASES = [
     Case("paged.append", "int keys", T, "key must have a floating dtype", lambda: paged.append(OWNED, CHUNK.astype(int), CHUNK)),
     Case("paged.append", "negative cache.lengths", V, "cache.lengths must be >= 0", lambda: paged.append(OWNED._replace(lengths=jnp.array([-1, 0])), CHUNK, CHUNK)),
     Case("paged.update_and_attend", "queries of another chunk length than the keys", V, "query must have shape", lambda: paged.update_and_attend(OWNED, jnp.ones((2, 1, 1, 4)), CHUNK, CHUNK, implementation="xla")),
+    Case("paged.update_and_attend", "a misspelt keyword set to None", T, "unexpected keyword arguments ['local_windw_size']", lambda: paged.update_and_attend(OWNED, CHUNK, CHUNK, CHUNK, local_windw_size=None)),
+    Case("paged.update_and_attend", "rolling=True", T, "a paged cache has no rolling mode", lambda: paged.update_and_attend(OWNED, CHUNK, CHUNK, CHUNK, rolling=True)),
     Case("paged.update_and_attend", "a work list (cache.blocks) missing a row's block", V, "cache.blocks misses blocks of row 0", lambda: paged.update_and_attend(LONG._replace(blocks=jnp.array([[0, 0]])), CHUNK[:1], CHUNK[:1], CHUNK[:1], implementation="xla")),
     Case("kvcache.decode_mask", "q_len=0", V, "q_len must be >= 1", lambda: kvcache.decode_mask(jnp.zeros(2, int), jnp.zeros(2, int), 0, 4)),
     # generate
