@@ -5,7 +5,8 @@ each PyTorch tensor of the chapter's classes maps to one leaf:
 
 * ``W_query`` (``SelfAttention_v1``'s raw matrix) -> ``W_query``, as is;
 * ``W_query.weight`` -> ``W_query/kernel``, transposed; ``W_query.bias`` -> ``W_query/bias``;
-* ``out_proj.weight`` -> ``out_proj/kernel``, transposed; ``out_proj.bias`` -> ``out_proj/bias``;
+* ``out_proj.weight`` -> ``out_proj/kernel``, transposed; ``out_proj.bias`` -> ``out_proj/bias``
+  (none, as the book's ``GroupedQueryAttention``: a module with ``out_bias=False``);
 * ``heads.{i}.W_query.weight`` -> ``heads_{i}/W_query/kernel``, transposed (and so on);
 * ``mask`` and ``heads.{i}.mask`` (registered buffers) are ignored: jattn builds masks.
 
@@ -153,7 +154,7 @@ def _linear_group(arrays: dict[str, np.ndarray], prefix: str, out_proj: bool) ->
     Args:
       arrays: PyTorch key -> array, keys relative to ``prefix``.
       prefix: ``''`` or ``'heads.{i}.'``, for messages.
-      out_proj: whether ``out_proj.weight`` and ``out_proj.bias`` are expected.
+      out_proj: whether ``out_proj.weight`` (and ``out_proj.bias``, when given) are expected.
     """
     names = [*_PROJECTIONS, "out_proj"] if out_proj else list(_PROJECTIONS)
     for name in names:
@@ -166,8 +167,6 @@ def _linear_group(arrays: dict[str, np.ndarray], prefix: str, out_proj: bool) ->
             f"state_dict is missing key {prefix}{absent}.bias: the book's qkv_bias=True gives "
             "all three of W_query, W_key and W_value a bias, or none of them."
         )
-    if out_proj and "out_proj.bias" not in arrays:
-        raise ValueError(f"state_dict is missing key {prefix}out_proj.bias.")
 
     d_in = None
     params: dict[str, Any] = {}

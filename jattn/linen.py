@@ -47,6 +47,28 @@ default_bias_init = nn.initializers.zeros_init()
 v1_kernel_init = nn.initializers.uniform(1.0)
 
 
+def _paths(tree) -> frozenset[str]:
+    return frozenset(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree))
+
+
+_PARAM_PATHS: dict[tuple, frozenset[str] | None] = {}
+
+
+def _param_paths(module: nn.Module, d_in: int, dtype) -> frozenset[str] | None:
+    """The parameter paths ``module.init`` makes for inputs of width ``d_in`` (abstractly,
+    once per module configuration); None where that cannot be told (the check is skipped)."""
+    key = (repr(module), d_in, str(dtype))
+    if key not in _PARAM_PATHS:
+        rngs = {"params": jax.random.key(0), "dropout": jax.random.key(0)}
+        x = jax.ShapeDtypeStruct((1, 1, d_in), dtype)
+        try:
+            variables = jax.eval_shape(lambda x: module.init(rngs, x), x)
+            _PARAM_PATHS[key] = _paths(nn.meta.unbox(variables["params"]))
+        except Exception:  # e.g. a mesh the module needs: no check rather than a wrong one
+            _PARAM_PATHS[key] = None
+    return _PARAM_PATHS[key]
+
+
 class _Attention(nn.Module):
     """Keyword-only attributes of every class: numerics and initializers."""
 
@@ -105,6 +127,15 @@ class _Attention(nn.Module):
         d_in = (w_query if hasattr(w_query, "shape") else w_query["kernel"]).shape[0]
         if x.shape[-1] != d_in:
             raise mu.d_in_error(name, x.shape, d_in, params=True)
+        got = _paths(nn.meta.unbox(self.variables["params"]))
+        want = _param_paths(self.clone(parent=None), d_in, x.dtype)
+        if want is not None and got != want:
+            raise ValueError(
+                f"{name}: the params do not fit this module's options: extra "
+                f"{sorted(got - want) or 'none'} (flax would ignore them), missing "
+                f"{sorted(want - got) or 'none'}. Build the module with the options the "
+                "weights were made with (qkv_bias, out_bias, qk_norm, sinks, num_kv_heads, ...)."
+            )
 
     def _dense(
         self, features: int, name: str, use_bias: bool, model_axis=None, split="columns",
@@ -173,6 +204,13 @@ class _DropoutAttention(_Attention):
                 f"{type(self).__name__}: decode=True reads and extends the 'cache' collection; "
                 "call apply({'params': params, 'cache': cache}, x, mutable=['cache']) with the "
                 "cache from init (or use the module without decode=True)."
+            )
+        if self.decode and not self.is_initializing() and not initialized:
+            raise ValueError(
+                f"{type(self).__name__}: decode=True needs the cache init made, and the "
+                "variables hold no 'cache' collection: pass apply({'params': params, 'cache': "
+                "variables['cache']}, x, mutable=['cache']), with variables from init on an "
+                "input [batch..., capacity, d_in]."
             )
         if self.decode:
             # Sized by the input, flax's convention: init with x [batch..., capacity, d_in].
@@ -348,7 +386,8 @@ class CausalAttention(_DropoutAttention):
 
         Returns:
           ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
-          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
+          mode, the mask and the weights span the cache: ``[..., T, capacity]`` (a rolling
+          cache: ``[..., T, capacity + T]``, its slots before the chunk, then the chunk).
         """
         x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)
@@ -616,7 +655,8 @@ class MultiHeadAttention(_DropoutAttention):
 
         Returns:
           ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
-          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
+          mode, the mask and the weights span the cache: ``[..., T, capacity]`` (a rolling
+          cache: ``[..., T, capacity + T]``, its slots before the chunk, then the chunk).
         """
         x = mu.check_tokens(x, type(self).__name__, context_length=self.context_length)
         deterministic, dropout_rng = self._dropout_setup(deterministic, dropout_rng)

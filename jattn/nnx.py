@@ -420,7 +420,8 @@ class CausalAttention(_DropoutAttention):
 
         Returns:
           ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
-          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
+          mode, the mask and the weights span the cache: ``[..., T, capacity]`` (a rolling
+          cache: ``[..., T, capacity + T]``, its slots before the chunk, then the chunk).
         """
         name = type(self).__name__
         x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)
@@ -769,7 +770,8 @@ class MultiHeadAttention(_DropoutAttention):
 
         Returns:
           ``[batch..., T, d_out]`` (and the weights with ``return_weights``). In decode
-          mode, the mask and the weights span the cache: ``[..., T, capacity]``.
+          mode, the mask and the weights span the cache: ``[..., T, capacity]`` (a rolling
+          cache: ``[..., T, capacity + T]``, its slots before the chunk, then the chunk).
         """
         name = type(self).__name__
         x = mu.check_tokens(x, name, context_length=self.context_length, d_in=self.d_in)

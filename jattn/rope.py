@@ -22,7 +22,9 @@ cache's per-row lengths (:func:`positions_from_lengths`: token ``t`` of row ``b`
 without a table (what a module uses: no ``context_length`` limit, nothing stored).
 
 Numerics: the angles are ``float32(position) * float32(inv_freq)`` as in the book (and
-Hugging Face), where ``inv_freq`` is computed in float64 and rounded once; the rotation
+Hugging Face), where ``inv_freq`` is computed in float64 and rounded once (the book
+computes it in float32: some entries differ by an ulp, so cos/sin differ from the book's
+by up to ~2e-4 at position 4096 and ~8e-3 at 131072, not bit for bit); the rotation
 runs in float32 (float64 stays float64) and the output comes back in the input dtype.
 The table path and the on-the-fly path give identical values.
 """

@@ -120,7 +120,6 @@ BIASED_SD = QKV_SD | {f"{n}.bias": np.zeros(2, np.float32) for n in ("W_query", 
     [
         (MHA_SD | {"W_gate.weight": np.zeros((2, 3))}, "unknown key 'W_gate.weight'"),
         (_without(MHA_SD, "W_key.weight"), "missing key W_key.weight"),
-        (_without(MHA_SD, "out_proj.bias"), "missing key out_proj.bias"),
         (_without(BIASED_SD, "W_value.bias"), "missing key W_value.bias"),
         (
             _without(BOOK_STATE_DICTS["MultiHeadAttentionWrapper"], "heads.0.W_query.weight"),
@@ -148,6 +147,21 @@ def test_from_torch_state_dict_errors_name_the_key(sd, match):
         convert.from_torch_state_dict(sd)
 
 
+def test_an_out_proj_without_bias_loads_into_out_bias_false():
+    """The book's GroupedQueryAttention has no out_proj bias: the weights load into a module
+    with out_bias=False, which equals the module with a zero bias; applied to a module
+    that expects the bias, the params are refused (flax would not notice)."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
+    sd = _without(MHA_SD, "out_proj.bias")
+    no_bias = convert.from_torch_state_dict(sd)
+    zero = convert.from_torch_state_dict(sd | {"out_proj.bias": np.zeros(2, np.float32)})
+    got = L.MultiHeadAttention(2, 6, 0.0, 2, out_bias=False).apply(no_bias, x, deterministic=True)
+    want = L.MultiHeadAttention(2, 6, 0.0, 2).apply(zero, x, deterministic=True)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"missing \[\"\['out_proj'\]\['bias'\]\"\]"):
+        L.MultiHeadAttention(2, 6, 0.0, 2).apply(no_bias, x, deterministic=True)
+
+
 def test_from_torch_state_dict_checks_against_the_module():
     with pytest.raises(
         ValueError, match=r"W_query.weight\] has shape \(2, 3\), the module expects \(4, 3\)"
@@ -157,6 +171,10 @@ def test_from_torch_state_dict_checks_against_the_module():
         convert.from_torch_state_dict(QKV_SD, L.MultiHeadAttention(2, 6, 0.0, 2))
     with pytest.raises(ValueError, match=r"unexpected key W_query\.bias"):
         convert.from_torch_state_dict(BIASED_SD, L.CausalAttention(2, 6, 0.0))
+    with pytest.raises(ValueError, match=r"missing key out_proj\.bias"):
+        convert.from_torch_state_dict(
+            _without(MHA_SD, "out_proj.bias"), L.MultiHeadAttention(2, 6, 0.0, 2)
+        )
     # An NNX module works too, and knows d_in.
     with pytest.raises(ValueError, match=r"W_query.weight\] has shape \(2, 3\), .* \(2, 4\)"):
         convert.from_torch_state_dict(QKV_SD, N.CausalAttention(4, 2, 6, 0.0, rngs=nnx.Rngs(0)))

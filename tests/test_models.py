@@ -273,6 +273,33 @@ def test_logits_at_one_position_per_row(arch):
     np.testing.assert_allclose(last, full[np.arange(2), lengths - 1], atol=1e-5, rtol=0)
 
 
+def test_gpt_decoding_past_its_context_through_a_rolling_cache_is_a_clear_error():
+    """GPT-2's position embedding has context_length rows: a rolling cache would run on
+    with every later token at the last position."""
+    model, _ = load("gpt2")
+    model.init_cache(1, 4, rolling=True)
+    tokens = np.arange(33)[None] % 97
+    for t in range(32):  # up to the context: fine
+        model(tokens[:, t : t + 1], decode=True)
+    with pytest.raises(ValueError, match=r"reaches position 32, past cfg\['context_length'\]"):
+        model(tokens[:, 32:], decode=True)
+
+
+def test_gpt_built_from_params_only_rngs_and_numpy_sizes():
+    """nnx.Rngs(params=0), flax's idiom, builds a GPT (dropout then needs rngs= when
+    training), and init_cache takes numpy integers."""
+    cfg = dict(GPT_CFG, drop_rate=0.1)
+    model = models.GPTModel(cfg, rngs=nnx.Rngs(params=0))
+    ref = models.GPTModel(cfg, rngs=nnx.Rngs(params=0, dropout=1))
+    np.testing.assert_array_equal(
+        model(PROMPT, deterministic=True), ref(PROMPT, deterministic=True)
+    )
+    out = model(PROMPT, deterministic=False, rngs=nnx.Rngs(dropout=2))
+    assert not np.allclose(out, model(PROMPT, deterministic=True))
+    model.init_cache(np.int64(2), np.int64(8))
+    assert model.cache_lengths().shape == (2,)
+
+
 def test_decode_without_a_cache_is_a_clear_error():
     model, _ = load("gpt2")
     with pytest.raises(ValueError, match=r"call model.init_cache"):
@@ -668,6 +695,10 @@ GPT = models.GPTModel(GPT_CFG, rngs=nnx.Rngs(0))
             "needs a random key",
         ),
         (lambda: models.generate(object(), PROMPT, 3), TypeError, "jattn.models model"),
+        # the book's generate_text_simple(model, idx, max_new_tokens, context_size): the
+        # fourth argument is not read as a temperature
+        (lambda: models.generate(GPT, PROMPT, 3, 16), TypeError, "positional argument"),
+        (lambda: models.generate_stream(GPT, PROMPT, 3, 16), TypeError, "positional argument"),
     ],
 )
 def test_bad_tokens_are_a_clear_error(call, error, match):

@@ -9,6 +9,7 @@ per block, and a call with ``decode=True`` appends the chunk to every one of the
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -62,6 +63,13 @@ class LanguageModel(nnx.Module):
                 f"{name}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0)), got "
                 f"{type(rngs).__name__}."
             )
+
+    @staticmethod
+    def dropout_rngs(rngs: nnx.Rngs) -> nnx.Rngs | None:
+        """``rngs`` for an ``nnx.Dropout`` where it has a ``dropout`` (or ``default``)
+        stream, else None: built from ``nnx.Rngs(params=0)`` the model then needs
+        ``rngs=`` at a training call, as the attention modules do (no stream to keep)."""
+        return rngs if "dropout" in rngs or "default" in rngs else None
 
     def check_token_ids(self, token_ids) -> Array:
         """Validates ``token_ids`` int ``[batch..., T]`` and returns them as an array.
@@ -251,17 +259,20 @@ class LanguageModel(nnx.Module):
             ``context_length`` (Llama 3 / Qwen3 only: RoPE has no position limit, GPT-2's
             position embedding has ``context_length`` rows).
         """
-        batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+        if isinstance(batch_shape, numbers.Integral):
+            batch_shape = (batch_shape,)
+        batch_shape = tuple(batch_shape)
         capacity = self.cfg.context_length if capacity is None else capacity
         if (
             isinstance(capacity, bool)
-            or not isinstance(capacity, int)
+            or not isinstance(capacity, numbers.Integral)
             or not 1 <= capacity <= self.cfg.context_length
         ):
             raise ValueError(
                 f"{type(self).__name__}: capacity must be an int in [1, "
                 f"{self.cfg.context_length}] (cfg['context_length']), got {capacity!r}."
             )
+        capacity = int(capacity)
         dtype = self.dtype if dtype is None else dtype
         for block in self.trf_blocks:
             block.att.init_cache((*batch_shape, capacity, self.cfg.emb_dim), dtype, rolling=rolling)
@@ -279,9 +290,26 @@ class LanguageModel(nnx.Module):
     def decode_positions(self, num_tokens: int) -> Array:
         """Int ``[batch..., T]``: where a chunk of ``T`` tokens sits, row by row.
 
-        Token ``t`` of row ``b`` is at ``cache_lengths()[b] + t``, capped at
-        ``context_length - 1``: a token beyond that never fits the cache (its capacity is
-        at most ``context_length``), so it is dropped and its output is not used.
+        Token ``t`` of row ``b`` is at ``cache_lengths()[b] + t``. A position past
+        ``context_length - 1`` has no row in GPT-2's position embedding: with concrete
+        lengths it raises (a rolling cache would otherwise run on past the context); under
+        jit it is capped there (a plain cache holds at most ``context_length`` positions,
+        so such a token is dropped and its output is not used).
+
+        Raises:
+          ValueError: concrete lengths whose chunk runs past ``context_length``.
         """
-        positions = rope.positions_from_lengths(self.cache_lengths(), num_tokens)
-        return jnp.minimum(positions, self.cfg.context_length - 1)
+        lengths = self.cache_lengths()
+        context = self.cfg.context_length
+        if not isinstance(lengths, jax.core.Tracer) and lengths.size:
+            end = int(np.max(lengths)) + num_tokens
+            if end > context:
+                raise ValueError(
+                    f"{type(self).__name__}: a chunk of {num_tokens} tokens after rows holding "
+                    f"{np.asarray(lengths).tolist()} reaches position {end - 1}, past "
+                    f"cfg['context_length'] - 1 = {context - 1}: the position embedding has "
+                    f"{context} rows (a plain cache holds no more, and a rolling one cannot "
+                    "take GPT-2 past its context)."
+                )
+        positions = rope.positions_from_lengths(lengths, num_tokens)
+        return jnp.minimum(positions, context - 1)

@@ -59,7 +59,9 @@ class TransformerBlock(nnx.Module):
         self.ff = FeedForward(e, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.norm1 = LayerNorm(e, dtype=dtype, param_dtype=param_dtype)
         self.norm2 = LayerNorm(e, dtype=dtype, param_dtype=param_dtype)
-        self.drop_resid = nnx.Dropout(cfg.drop_rate, deterministic=None, rngs=rngs)
+        self.drop_resid = nnx.Dropout(
+            cfg.drop_rate, deterministic=None, rngs=LanguageModel.dropout_rngs(rngs)
+        )
 
     def __call__(
         self,
@@ -127,7 +129,7 @@ class GPTModel(LanguageModel):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.tok_emb = nnx.Embed(cfg.vocab_size, cfg.emb_dim, **kw, rngs=rngs)
         self.pos_emb = nnx.Embed(cfg.context_length, cfg.emb_dim, **kw, rngs=rngs)
-        self.drop_emb = nnx.Dropout(cfg.drop_rate, deterministic=None, rngs=rngs)
+        self.drop_emb = nnx.Dropout(cfg.drop_rate, deterministic=None, rngs=self.dropout_rngs(rngs))
         self.trf_blocks = nnx.List(
             TransformerBlock(
                 cfg, **kw, attention_implementation=attention_implementation, rngs=rngs
