@@ -473,6 +473,13 @@ def segment_ids(
                 f"{name} must have shape [batch..., length] = {(*batch_shape, length)}, "
                 f"got {ids.shape}."
             )
+        if ids.dtype.itemsize > 4 and ids.size and is_host_value(ids):
+            i32, lo, hi = np.iinfo(np.int32), np.min(np.asarray(ids)), np.max(np.asarray(ids))
+            if not i32.min <= lo <= hi <= i32.max:  # wider ids would wrap (x64 mode)
+                raise ValueError(
+                    f"{name} hold ids from {lo} to {hi}; the paths compare them as int32, "
+                    "so they must fit in it (renumber the documents)."
+                )
         out.append(ids.astype(jnp.int32))
     # Self-attention ids come back as one object: kernels that take a single id array (the
     # Pallas Triton kernel) tell them from separate key/value ids by identity.

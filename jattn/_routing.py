@@ -115,6 +115,20 @@ def _custom_vjp_obstacle(*arrays) -> str | None:
     return None
 
 
+def _kernel_autodiff_obstacle(*arrays) -> str | None:
+    """:func:`_custom_vjp_obstacle`, and forward mode anywhere around the call: a kernel's
+    backward pass is a kernel too (C++, Pallas, cuDNN) with no forward-mode rule, so forward
+    over reverse (``jax.hessian``, ``jax.jacfwd(jax.grad(f))``) cannot differentiate it; the
+    blockwise path's backward pass is JAX code and can."""
+    reason = _custom_vjp_obstacle(*arrays)
+    if reason is None and any("jvp" in _autodiff_kinds(x) for x in arrays):
+        reason = (
+            "forward mode over reverse mode (jax.hessian, jax.jacfwd of jax.grad) is applied "
+            "to this call, and the kernel's backward pass has no forward-mode rule"
+        )
+    return reason
+
+
 def _dense_run(query, key, value, ops, settings, extras):
     return dense.attention(query, key, value, ops, settings, extras)
 
@@ -256,7 +270,7 @@ def _kernel_obstacle(name: str):
         if reason is None:
             reason = q.needs_dense  # flax's einsum hooks
         if reason is None:
-            reason = _custom_vjp_obstacle(query, key, value)  # every kernel has a custom VJP
+            reason = _kernel_autodiff_obstacle(query, key, value)
         if reason is None and q.return_residual and not module.RETURNS_LSE:
             reason = f"return_residual=True ({name} does not return its log-sum-exp)"
         if reason is None and not q.default_precision:
@@ -354,7 +368,7 @@ def _pallas_obstacle_on(platform: str, query, key, value, ops, settings, extras)
             query, key, value, ops, settings, extras, platform=platform, interpret=interpret
         )
     )
-    return reason if reason is not None else _custom_vjp_obstacle(query, key, value)
+    return reason if reason is not None else _kernel_autodiff_obstacle(query, key, value)
 
 
 def _pallas_obstacle(*call) -> str | None:
@@ -402,7 +416,7 @@ def _contract_obstacle(name: str):
         )
         reason = module.obstacle(call)
         if reason is None:
-            reason = _custom_vjp_obstacle(query, key, value)  # every kernel has a custom VJP
+            reason = _kernel_autodiff_obstacle(query, key, value)
         if reason is None and settings.return_residual and not module.RETURNS_LSE:
             reason = f"return_residual=True ({name} does not return its log-sum-exp)"
         return reason

@@ -134,7 +134,7 @@ def _operands_and_settings(
         window=(
             None
             if local_window_size is None
-            else _checks.window(local_window_size, open_right=True)
+            else _bounded(_checks.window(local_window_size, open_right=True), q_len, kv_len)
         ),
         dropout_shared=shared,
         precision=precision,
@@ -143,6 +143,15 @@ def _operands_and_settings(
         mask_mod=mask_mod,
     )
     return ops, settings
+
+
+def _bounded(window: tuple, q_len: int, kv_len: int) -> tuple:
+    """``(left, right)`` capped at ``max(q_len, kv_len)``: no query and key are further apart,
+    so the window is the same, and the paths' int32 positions (int64 in C++) cannot
+    overflow on a huge one (``sys.maxsize`` gave wrong numbers on the fused kernel)."""
+    bound = max(q_len, kv_len)
+    left, right = window
+    return min(left, bound), None if right is None else min(right, bound)
 
 
 def _modifiers(logits_shape, score_mod, mask_mod, sinks, block_mask, dtype):

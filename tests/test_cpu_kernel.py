@@ -369,6 +369,59 @@ def test_explicit_request_refuses_what_it_lacks(kwargs, reason):
         jattn.dot_product_attention(q, q, q, implementation="cpu_fused", **kwargs)
 
 
+@needs_kernel
+@pytest.mark.parametrize("scale_up", [False, True])
+def test_huge_logits_and_pad_biases_match_dense(scale_up):
+    """A -1e10 additive bias on left-padding keys (a padding query sees only those), or
+    logits near 4e9: the kernel's exponent once came from two rounded products that stopped
+    cancelling (NaN outputs, NaN gradients that poison a model's parameters)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 128, 2, 16)), jnp.float32) for _ in range(3))
+    if scale_up:
+        q, k, bias = q * 3e4, k * 3e4, None
+    else:
+        bias = jnp.zeros((2, 1, 1, 128)).at[0, ..., :4].set(-1e10)
+    real = jnp.ones((2, 1, 128, 1), bool).at[0, :, :4].set(False)  # the loss skips pad rows
+
+    def loss(impl):
+        def f(q, k, v):
+            out = jattn.dot_product_attention(q, k, v, bias=bias, is_causal=True,
+                                              implementation=impl)  # fmt: skip
+            return jnp.sum(jnp.where(jnp.swapaxes(real, 1, 2), out, 0.0) ** 2), out
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    (_, want), want_grads = loss("dense")
+    for impl in ("cpu_fused", None):
+        (_, out), grads = loss(impl)
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(grads, want_grads, strict=True):
+            assert np.isfinite(np.asarray(g)).all()
+            if not scale_up:  # logits near 4e9: a saturated softmax, its gradient ill-posed
+                np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3 * float(jnp.abs(w).max()))
+
+
+@needs_kernel
+def test_forward_over_reverse_leaves_the_kernel():
+    """jax.hessian differentiates the backward pass in forward mode: the kernel's is C++,
+    so the automatic rule takes another path, and an explicit request names why."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 128, 1, 4)), jnp.float32) for _ in range(3))
+
+    def f(impl):
+        return lambda x: jnp.sum(
+            jattn.dot_product_attention(x, k, v, is_causal=True, implementation=impl) ** 2
+        )
+
+    def hessian(impl):  # over the first two queries (a small Hessian)
+        return jax.hessian(lambda y: f(impl)(q.at[0, :2].set(y)))(q[0, :2])
+
+    np.testing.assert_allclose(hessian(None), hessian("dense"), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"cpu_fused.*forward mode over reverse mode"):
+        hessian("cpu_fused")
+
+
 def test_adapter_contract_names():
     module = kernels.adapter("cpu_fused")
     assert module is cpu_adapter and module.NAME == "cpu_fused" and "cpu_fused" in kernels.KERNELS

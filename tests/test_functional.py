@@ -1,6 +1,7 @@
 """The functional core against jax.nn, flax and a float64 numpy reference."""
 
 import math
+import sys
 
 import chex
 import flax.linen as nn
@@ -609,3 +610,31 @@ def test_matches_torch_sdpa_including_fully_masked_rows():
         np.testing.assert_allclose(np.asarray(t(got)), ref, rtol=1e-5, atol=1e-5)
         if not causal:  # torch zeroes the fully masked row, and so does jattn
             assert np.all(ref[0, 1, 2] == 0.0) and np.all(np.asarray(got)[0, 2, 1] == 0.0)
+
+
+@pytest.mark.parametrize("implementation", [None, "dense", "blockwise", "cpu_fused"])
+def test_a_window_wider_than_any_distance_is_no_window(implementation):
+    """Windows past int32 (sys.maxsize, 2**31) once overflowed positions: an error on the
+    XLA paths, wrong numbers on the fused kernel."""
+    if implementation == "cpu_fused" and not jattn.kernels.adapter("cpu_fused").available("cpu"):
+        pytest.skip("the fused CPU kernel is not built")
+    q, k, v = _qkv((1, 130, 2, 8), (1, 130, 2, 8))
+    want = jattn.dot_product_attention(q, k, v, implementation="dense")
+    for window in ((sys.maxsize, sys.maxsize), (2**31, 2**31), (0, sys.maxsize)):
+        out = jattn.dot_product_attention(
+            q, k, v, local_window_size=window, implementation=implementation
+        )
+        ref = want
+        if window[0] == 0:  # each query sees itself and what follows
+            ref = jattn.dot_product_attention(
+                q, k, v, mask=jnp.triu(jnp.ones((130, 130), bool)), implementation="dense"
+            )
+        np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_segment_ids_past_int32_are_refused_not_wrapped():
+    with jax.enable_x64(True):
+        q = jnp.ones((1, 4, 1, 2))
+        ids = jnp.asarray([[7, 7, 7 + 2**32, 7 + 2**32]], jnp.int64)
+        with pytest.raises(ValueError, match="must fit in it"):
+            jattn.dot_product_attention(q, q, q, query_segment_ids=ids, key_value_segment_ids=ids)

@@ -563,20 +563,22 @@ inline void rows_max(const Params& p, bool plain, float* const* s, int64_t ncols
   for (int r = 0; r < R; ++r) row_max[r] = hmax(vmax[r]);
 }
 
-// P = exp(logits - m) in place over R rows, as 2^(logits log2 e - m log2 e) (mv2: each
-// row's m log2 e; the logits scaled as they are read when kPlain, by scale log2 e in the
-// same multiply-add); kDrop: dropout applied. The rows' sums of the weights before dropout
-// into sum.
+// P = exp(logits - m) in place over R rows, as 2^((logits - m) log2 e) (mv: each row's
+// m; the logits scaled as they are read when kPlain, in the same multiply-add); kDrop:
+// dropout applied. The rows' sums of the weights before dropout into sum. The difference
+// comes first: 2^(logits log2 e - m log2 e), two rounded products, stopped cancelling once
+// |m| neared 1e9 (a -1e10 bias on a row's keys gave inf / inf = NaN).
 template <int R, bool kPlain, bool kDrop>
-inline void rows_exp(float scale, float* const* s, int64_t ncols, const vf* mv2,
+inline void rows_exp(float scale, float* const* s, int64_t ncols, const vf* mv,
                      const RowDropout* rd, int64_t j0, float* sum) {
-  constexpr float kLog2e = 1.44269504088896341f;
+  const vf log2e = splat(1.44269504088896341f), zero = splat(0.f);
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vf{};
-  const vf c = splat(kPlain ? scale * kLog2e : kLog2e);
+  const vf c = splat(kPlain ? scale : 1.f);
   for (int64_t col = 0; col < ncols; col += W)
     JATTN_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-      vf e = vexp2_nonpositive(load(s[r] + col) * c - mv2[r]);
+      vf x = (load(s[r] + col) * c - mv[r]) * log2e;
+      vf e = vexp2_nonpositive(x < zero ? x : zero);
       acc[r] += e;  // the normaliser counts every weight; dropout drops from the values' sum
       if constexpr (kDrop) e *= dropout_factor(rd[r], j0 + col);
       store(s[r] + col, e);
@@ -603,7 +605,7 @@ inline void softmax_rows(const Params& p, float* const* s, int64_t ncols, int64_
   for (int r = 0; r < R; ++r) {
     m_new[r] = std::max(m[r], m_new[r]);
     // nothing visible in this row yet: every logit is -inf and exp(-inf - 0) writes P = 0
-    mv[r] = splat(m_new[r] == -kInf ? 0.f : m_new[r] * 1.44269504088896341f);
+    mv[r] = splat(m_new[r] == -kInf ? 0.f : m_new[r]);
   }
   RowDropout drop[R];  // local copies, kept in registers across the stores to s
   for (int r = 0; r < R; ++r) drop[r] = rd[r];
