@@ -320,15 +320,13 @@ def _check_chunk(cache: AnyCache, key, value, num_new):
         and _checks.is_host_value(cache.lengths)
         and _checks.is_host_value(num_new)
     ):
-        if cache.lengths.size and np.asarray(cache.lengths).min() < 0:
-            raise ValueError(
-                "cache.lengths must be >= 0 (tokens held), got "
-                f"{np.asarray(cache.lengths).tolist()}."
-            )
-        ends = np.asarray(cache.lengths) + np.asarray(num_new)
+        lengths = np.asarray(cache.lengths)
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"cache.lengths must be >= 0 (tokens held), got {lengths.tolist()}.")
+        ends = lengths + np.asarray(num_new)
         if ends.size and ends.max() > cap:
             raise ValueError(
-                f"KV cache overflow: rows with lengths {np.asarray(cache.lengths).tolist()} "
+                f"KV cache overflow: rows with lengths {lengths.tolist()} "
                 f"cannot take {np.asarray(num_new).tolist()} more tokens; the capacity is {cap}. "
                 "Build the cache with a larger capacity (Linen: init with a longer input; NNX: "
                 "init_cache with a longer input_shape), or generate fewer tokens."

@@ -547,7 +547,7 @@ def _check_blocks(cache: PagedKVCache, num_new: Array) -> None:
         return
     lengths = np.asarray(cache.lengths).reshape(-1)
     ends = np.minimum(lengths + np.asarray(num_new).reshape(-1), capacity(cache))
-    need = -(-ends // block_size(page_size(cache)))
+    need = pages_needed(ends, block_size(page_size(cache)))  # blocks held, rounded up
     pairs = np.asarray(cache.blocks).astype(np.int64)
     have = np.zeros((lengths.size, max(int(need.max(initial=0)), 1)), bool)
     ok = (pairs[:, 0] >= 0) & (pairs[:, 0] < lengths.size) & (pairs[:, 1] >= 0)
