@@ -170,12 +170,14 @@ def _softmax_step(
     if score is not None:
         s = score(s)
     if visible is not None:
-        s = jnp.where(visible, s, masks_lib.large_negative(f32))
+        # -inf, not a finite stand-in: visible logits below jattn.large_negative (a
+        # finfo.min bias) still outweigh hidden keys
+        s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    if visible is not None:
-        p = jnp.where(visible, p, 0.0)  # exactly zero, even in fully masked rows
-    alpha = jnp.exp(m - m_new)
+    # the shift: 0 while a row has seen no finite logit (no -inf - (-inf) anywhere)
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - shift[..., None])  # exactly zero for hidden keys
+    alpha = jnp.exp(m - shift)
     row_sum = alpha * row_sum + p.sum(axis=-1)
     if keep is not None:
         p = jnp.where(keep, p * drop.scale, 0.0)
@@ -198,7 +200,7 @@ def _softmax_init(q_rows: Array, dv: int, sinks: Array | None = None):
     f32 = softmax_dtype(q_rows.dtype)
     shape = (n, k_heads, groups, rows)
     if sinks is None:
-        m, row_sum = jnp.full(shape, masks_lib.large_negative(f32), f32), jnp.zeros(shape, f32)
+        m, row_sum = jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32)
     else:
         m = jnp.broadcast_to(sinks.astype(f32)[None, :, :, None], shape)
         row_sum = jnp.ones(shape, f32)

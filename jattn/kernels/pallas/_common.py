@@ -26,7 +26,8 @@ from jattn import _prng
 
 Array = jax.Array
 
-# A hidden logit: jattn.masks.large_negative(float32) (finite: no inf - inf anywhere).
+# The lse of a row that sees no key: jattn.masks.large_negative(float32). (Hidden logits
+# are -inf in the online softmax, shifted by 0 until a row meets a finite one.)
 NEG = -0.7 * float(np.finfo(np.float32).max)
 
 

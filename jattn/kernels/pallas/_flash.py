@@ -450,7 +450,7 @@ def _forward_kernel(spec: C.Spec, names, *refs):
         m0 = jnp.broadcast_to(r.sinks[...].astype(jnp.float32), (bq, 1))
         l0 = jnp.ones((bq, 1), jnp.float32)
     else:
-        m0 = jnp.full((bq, 1), C.NEG, jnp.float32)
+        m0 = jnp.full((bq, 1), -jnp.inf, jnp.float32)
         l0 = jnp.zeros((bq, 1), jnp.float32)
     acc0 = jnp.zeros((bq, spec.v_dim), jnp.float32)
 
@@ -467,13 +467,13 @@ def _forward_kernel(spec: C.Spec, names, *refs):
             bias = _bias_rows(r, spec, cols)
             s, _ = _tile_scores(spec, r, t, q, k, slope, sconsts, bias, grad=False)
             mask = _mask(spec, t, masked, mod_mask, q_len, kv_len, q_seg, kv_seg, mconsts)
-            if mask is not None:
-                s = jnp.where(mask, s, C.NEG)
+            if mask is not None:  # -inf: visible logits below C.NEG still outweigh hidden keys
+                s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - m_new)
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
-            alpha = jnp.exp(m - m_new)
+            # the shift: 0 while a row has seen no finite logit (no -inf - (-inf))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - shift)  # exactly zero for hidden keys
+            alpha = jnp.exp(m - shift)
             total = total * alpha + jnp.sum(p, axis=1, keepdims=True)
             if keys is not None:
                 p = jnp.where(C.keep(t, *keys, threshold), p * inv_keep, 0.0)
