@@ -112,15 +112,38 @@ def weights_and_lse(query, key, ops: Operands, settings: Settings, extras: Dense
     mask = combined_mask(ops, settings, logits.shape)
     if ops.sinks is not None:
         return _weights_with_sinks(logits, mask, ops.sinks)
-    if mask is None:
+    if mask is None and settings.score_mod is None:
         return jax.nn.softmax(logits, axis=-1), jax.nn.logsumexp(logits, axis=-1)
+    return _masked_softmax(logits, mask, robust=settings.score_mod is not None)
+
+
+def _masked_softmax(logits: Array, mask: Array | None, robust: bool):
+    """``(weights, lse)`` of the softmax over each row's visible keys alone.
+
+    Hidden keys are ``-inf``, not a finite large negative: a row whose every visible logit
+    lies below :func:`jattn.large_negative` (an additive ``finfo.min`` bias on a padding
+    query's keys) still weighs its visible keys, where a finite stand-in would have given
+    the hidden ones (future keys included) all the weight. A row that sees no key gets
+    zero weights, zero gradients and an lse of :func:`jattn.large_negative`: its logits
+    become zeros before the softmax (no ``-inf - (-inf)``), and the ``where`` after it
+    stops their gradients.
+
+    Which rows see a key: from the mask alone (a reduction over the mask's own broadcast
+    shape: no extra pass over every head's logits, which costs the dense path up to 2x),
+    since a visible logit is finite (the entry floors a ``-inf`` bias at ``finfo.min``).
+    ``robust``: a ``score_mod`` may still return ``-inf`` (FlexAttention's way of hiding a
+    key), so its rows are read from the logits' max.
+    """
+    visible = logits if mask is None else jnp.where(mask, logits, -jnp.inf)
+    if robust:
+        top = jax.lax.stop_gradient(jnp.max(visible, axis=-1, keepdims=True))
+        has_key = top > -jnp.inf
+    else:
+        has_key = jnp.any(mask, axis=-1, keepdims=True)
+    visible = jnp.where(has_key, visible, 0.0)
+    weights = jnp.where(has_key, jax.nn.softmax(visible, axis=-1), 0.0)
     neg = masks_lib.large_negative(logits.dtype)
-    # A large *finite* negative: exp() underflows to exactly 0 and nothing becomes NaN.
-    logits = jnp.where(mask, logits, neg)
-    # The `where`s also stop gradients through rows that see nothing: exactly zero.
-    row_has_key = jnp.any(mask, axis=-1)
-    weights = jnp.where(row_has_key[..., None], jax.nn.softmax(logits, axis=-1), 0.0)
-    lse = jnp.where(row_has_key, jax.nn.logsumexp(logits, axis=-1), neg)
+    lse = jnp.where(has_key[..., 0], jax.nn.logsumexp(visible, axis=-1), neg)
     return weights, lse
 
 

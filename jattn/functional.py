@@ -116,7 +116,7 @@ def _operands_and_settings(
     score_mod, mask_mod, sinks, block_mask = _modifiers(logits_shape, *modifiers)
     ops = Operands(
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
-        bias=_checks.bias(bias, logits_shape),
+        bias=_floored(_checks.bias(bias, logits_shape)),
         mask=_checks.mask(mask, logits_shape),
         q_lengths=_checks.seq_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len),
         kv_lengths=_checks.seq_lengths(
@@ -143,6 +143,17 @@ def _operands_and_settings(
         mask_mod=mask_mod,
     )
     return ops, settings
+
+
+def _floored(bias: Array | None) -> Array | None:
+    """``bias`` with ``-inf`` entries at the dtype's ``finfo.min`` (their gradient zero):
+    a key hidden by an additive ``-inf`` (PyTorch's additive masks) weighs exactly what
+    it weighs at ``finfo.min`` (nothing, beside any finite logit), and a row hidden that
+    way throughout averages its visible keys on every path instead of giving NaN (``0 /
+    0``) on some and zeros on others. Use a boolean mask to hide keys outright."""
+    if bias is None:
+        return None
+    return jnp.where(bias == -jnp.inf, jnp.finfo(bias.dtype).min, bias)
 
 
 def _bounded(window: tuple, q_len: int, kv_len: int) -> tuple:

@@ -253,7 +253,10 @@ def combine_masks(*masks) -> jnp.ndarray | None:
 
 
 def large_negative(dtype=jnp.float32) -> jnp.ndarray:
-    """The finite value used for hidden logits in ``dtype`` (never -inf, so no NaN appears).
+    """jattn's finite large negative in ``dtype``: the bias :func:`mask_to_bias` gives a
+    hidden key and the log-sum-exp of a row that attends nothing (never -inf, so no NaN
+    appears). The attention paths themselves hide keys with ``-inf`` and shift each row by
+    its largest visible logit, so visible logits below this value still count.
 
     ``-0.7 * finfo(dtype).max``, capped at float32's range because the softmax runs in float32.
     """

@@ -141,29 +141,76 @@ def _finfo_min_case(t=40):
     return q, k, v, bias[None, None], visible
 
 
-@pytest.mark.parametrize("implementation", ["blockwise", "cpu_fused", "pallas"])
-def test_rows_below_large_negative_weigh_their_visible_keys_on_the_tiled_paths(
-    implementation, monkeypatch
-):
-    # The softmax over the visible keys alone is the answer (the float64 reference's: the
-    # padding rows average their own and earlier keys). A finite stand-in for hidden keys
-    # gave zeros on the blockwise path and the Pallas kernel. (The dense path still gives
-    # the hidden keys the weight there: docs/guides/conventions.md.)
+PATHS = ["dense", "blockwise", "cpu_fused", "pallas"]
+
+
+def _on(implementation, monkeypatch):
+    """Skips the fused CPU kernel where it is not built; runs the Pallas kernel in
+    interpret mode off its hardware."""
     from jattn import kernels
     from jattn.kernels.cpu import _library
 
     if implementation == "cpu_fused" and _library.library() is None:
         pytest.skip(f"fused CPU kernel {_library.status()}")
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")  # the Pallas kernel, off its hardware
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
+
+
+@pytest.mark.parametrize("hidden", ["finfo.min", "-inf"])
+@pytest.mark.parametrize("implementation", PATHS)
+def test_rows_below_large_negative_weigh_their_visible_keys_on_every_path(
+    implementation, hidden, monkeypatch
+):
+    # The softmax over the visible keys alone is the answer (the float64 reference's: the
+    # padding rows average their own and earlier keys). A finite stand-in for hidden keys
+    # gave the hidden ones, future keys included, all the weight on the dense path
+    # (`future_leak` 0.14), and zeros on the blockwise path and the Pallas kernel. An
+    # additive -inf counts as finfo.min: the same answer, where dense averaged the hidden
+    # keys and the others gave zeros.
+    _on(implementation, monkeypatch)
     q, k, v, bias, visible = _finfo_min_case()
+    given = bias if hidden == "finfo.min" else np.where(bias == bias.min(), -np.inf, bias)
     fn = lambda q, k, v: jattn.dot_product_attention(  # noqa: E731
-        q, k, v, is_causal=True, bias=bias, implementation=implementation
+        q, k, v, is_causal=True, bias=given, implementation=implementation
     )
     ref = np_attention(q, k, v, mask=visible, bias=bias.astype(np.float64))
     np.testing.assert_allclose(np.asarray(fn(q, k, v), np.float64), ref, atol=2e-6, rtol=0)
     _, grads = _loss_and_grads(fn, q, k, v)
     assert _all_finite(grads)
-    # (the kernels' gradients of those rows are not exact: docs/conventions.md)
+    # (the tiled paths' gradients of those rows are not exact: docs/guides/conventions.md)
+
+
+def test_rows_below_large_negative_have_exact_dense_gradients():
+    # dL/dv = P^T dL/dout with the reference's weights (the padding rows' included).
+    q, k, v, bias, visible = _finfo_min_case()
+    fn = lambda v: jattn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, bias=bias, implementation="dense"
+    )
+    d_out = _normal(q.shape, seed=5)
+    d_v = jax.grad(lambda v: jnp.sum(fn(v) * d_out))(v)
+    _, weights = np_attention(
+        q, k, v, mask=visible, bias=bias.astype(np.float64), return_weights=True
+    )
+    expected = np.einsum("nhts,nthd->nshd", weights, np.asarray(d_out, np.float64))
+    np.testing.assert_allclose(np.asarray(d_v, np.float64), expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["dense", "blockwise", "pallas"])
+def test_a_score_mod_hiding_a_whole_row_gives_it_zeros(implementation, monkeypatch):
+    # FlexAttention's way of hiding keys: -inf scores. A row hidden throughout attends
+    # nothing (zeros, finite gradients); the other rows are the causal reference's.
+    _on(implementation, monkeypatch)
+    q, k, v = _qkv(batch=(1,), t=40, s=40)
+    hide = lambda s, b, h, qi, ki: jnp.where(qi == 3, -jnp.inf, s)  # noqa: E731
+    fn = lambda q, k, v: jattn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, score_mod=hide, implementation=implementation
+    )
+    visible = np.tril(np.ones((40, 40), bool))
+    visible[3] = False
+    ref = np_attention(q, k, v, mask=visible)
+    np.testing.assert_allclose(np.asarray(fn(q, k, v), np.float64), ref, atol=2e-6, rtol=0)
+    with jax.debug_nans(True):
+        _, grads = _loss_and_grads(fn, q, k, v)
+    assert _all_finite(grads)
 
 
 @pytest.mark.parametrize("dtype", LOW)
