@@ -181,6 +181,8 @@ def scale(value) -> None:
     if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0:
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise TypeError(f"scale must be a float, got an array of dtype {value.dtype}.")
+        if not np.isfinite(np.asarray(value)):  # concrete here (a tracer returned above)
+            raise ValueError(f"scale must be finite, got an array holding {value}.")
         return
     raise TypeError(
         f"scale must be a number (the logit multiplier, default 1/sqrt(head_dim)) or a scalar "

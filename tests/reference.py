@@ -77,7 +77,8 @@ def np_flex_attention(q, k, v, *, score=None, mask=None, sinks=None, scale=None)
     lse = np.full(logits.shape[:-1], -np.inf)
     for bi, hi, ti in np.ndindex(n, h, t):
         row = logits[bi, hi, ti][mask[bi, hi, ti]]
-        terms = list(row) + ([float(sinks[hi])] if sinks is not None else [])
+        sink = [float(sinks[hi])] if sinks is not None else []
+        terms = list(row) + [x for x in sink if x > -np.inf]  # a -inf sink: no sink
         if not terms:
             continue
         top = max(terms)

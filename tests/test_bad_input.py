@@ -308,6 +308,7 @@ CASES = [
     Case("dot_product_attention", "float array as dropout_rng", T, "dropout_rng must be one jax.random key", dpa_with(dropout_rate=0.1, dropout_rng=jnp.ones(2))),
     Case("dot_product_attention", "broadcast_dropout='x'", V, "broadcast_dropout must be True, False, 'batch' or 'heads'", dpa_with(broadcast_dropout="x")),
     Case("dot_product_attention", "scale=nan", V, "scale must be a finite number", dpa_with(scale=float("nan"))),
+    Case("dot_product_attention", "scale=jnp.array(inf)", V, "scale must be finite, got an array holding inf", dpa_with(scale=jnp.array(jnp.inf))),
     Case("dot_product_attention", "scale='a'", T, "scale must be a number", dpa_with(scale="a")),
     Case("dot_product_attention", "a vector scale", T, "scale must be a number", dpa_with(scale=jnp.ones(3))),
     Case("dot_product_attention", "is_causal='yes'", T, "is_causal must be a Python bool", dpa_with(is_causal="yes")),

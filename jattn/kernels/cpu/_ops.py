@@ -184,8 +184,11 @@ def _forward_call(q, k, v, aux: Aux, static: Static):
         jax.ShapeDtypeStruct((*batch, h, tq), jnp.float32),
         jax.ShapeDtypeStruct(kt_shape, jnp.float32),  # the kernel's workspace
     )
-    call = jax.ffi.ffi_call(_library.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    out, lse, _ = call(q, k, v, *aux, **static.attributes(backward=False))
+    call = functools.partial(
+        jax.ffi.ffi_call(_library.FORWARD_TARGET, out_types, vmap_method="broadcast_all"),
+        **static.attributes(backward=False),
+    )
+    out, lse, _ = _without_forward_mode(call)(q, k, v, *aux)
     return _vary((out, lse), _varying_axes(q, k, v, aux))
 
 
@@ -225,19 +228,24 @@ def _attention_bwd(static: Static, residuals, cotangents):
         jax.ShapeDtypeStruct(transposed_shape(k.shape, static.block_k), jnp.float32),
         jax.ShapeDtypeStruct(transposed_shape(v.shape, static.block_k), jnp.float32),
     )  # the last two: the kernel's workspace, K^T and V^T
-    call = jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-    *results, _, _ = call(
+    call = functools.partial(
+        jax.ffi.ffi_call(_library.BACKWARD_TARGET, out_types, vmap_method="broadcast_all"),
+        **static.attributes(backward=True), dbias_mode=np.int64(mode),
+    )  # fmt: skip
+    *results, _, _ = _without_forward_mode(call)(
         q, k, v, aux.q_len, aux.kv_len, aux.q_seg, aux.kv_seg, d_out, lse, delta,
         aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
-        aux.mask, aux.blocks, aux.tile_mask, **static.attributes(backward=True),
-        dbias_mode=np.int64(mode),
+        aux.mask, aux.blocks, aux.tile_mask,
     )  # fmt: skip
     axes = _varying_axes(q, k, v, aux, d_out, lse)
     dq, dk, dv, d_slope_rows, d_bias_rows = _vary(results, axes)
     d_sinks = jnp.zeros_like(aux.sinks)
     if static.has_sinks:
         # d lse_i / d sink = p_sink,i = exp(sink - lse_i); d out_i / d sink = -p_sink,i out_i.
-        p_sink = jnp.exp(aux.sinks[..., None] - lse)  # [batch..., H, Tq]
+        # A -inf sink (a head without one) has p_sink 0, also in a row that sees no key,
+        # whose lse is then -inf too (exp(-inf + inf) would be NaN).
+        sinks = aux.sinks[..., None]
+        p_sink = jnp.where(jnp.isneginf(sinks), 0.0, jnp.exp(sinks - lse))  # [batch..., H, Tq]
         d_sinks = -jnp.sum(p_sink * delta, axis=-1)
     d_slopes = jnp.sum(d_slope_rows, axis=-1) if static.alibi else jnp.zeros_like(aux.slopes)
     d_bias = jnp.zeros_like(aux.bias)
@@ -247,6 +255,28 @@ def _attention_bwd(static: Static, residuals, cotangents):
     # Only the float operands have gradients; the ints, bools and keys get None.
     d_aux = Aux(*[None] * len(Aux._fields))._replace(sinks=d_sinks, slopes=d_slopes, bias=d_bias)
     return dq, dk, dv, d_aux
+
+
+def _without_forward_mode(call):
+    """``call`` (a kernel's ``ffi_call``) with a forward-mode rule that names the fix.
+    Forward over reverse mode traced around the attention call makes the routing take
+    another path; applied from outside a ``jax.jit`` holding it (``jax.hessian(jax.jit(f))``)
+    it reaches the kernels, where JAX's own error names only the FFI target."""
+
+    @jax.custom_jvp
+    def backward(*operands):
+        return call(*operands)
+
+    @backward.defjvp
+    def _(primals, tangents):
+        raise ValueError(
+            "jattn's fused CPU kernel has no forward-mode derivative, and a second derivative "
+            "(jax.hessian, jax.jacfwd or jax.grad of jax.grad) was taken outside a jax.jit "
+            "holding the attention call, where the routing cannot see it. Apply jax.jit "
+            "outside (jax.jit(jax.hessian(f))) or pass implementation='dense'."
+        )
+
+    return backward
 
 
 def _dbias_layout(bias, static: Static, logits: tuple[int, ...]) -> tuple[int, tuple]:
