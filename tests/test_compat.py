@@ -92,7 +92,7 @@ def test_residual_of_rows_that_attend_nothing_and_its_gradient_agree_across_path
             real = jnp.where(lengths[:, None, None] > 0, lse, 0.0)
             return jnp.sum(out) + jnp.sum(jnp.sin(real)), (out, lse)
 
-        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (_, (_, lse_d)), grads_d = f("dense")
     (_, (out_b, lse_b)), grads_b = f("blockwise")

@@ -487,7 +487,7 @@ def test_grad_matches_finite_differences_float64():
     with jax.enable_x64(True):
         q, k, v = _qkv((1, 4, 2, 3), (1, 4, 2, 3), dtype=jnp.float64)
         jax.test_util.check_grads(
-            lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True),
+            jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)),
             (q, k, v),
             order=2,
             modes=["rev"],

@@ -10,6 +10,7 @@ PyTorch's flex_attention and autograd are in tests/test_mods_torch.py.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -145,15 +146,20 @@ def test_matches_numpy_reference(batch, t, s, kv_heads, groups, d, score, mask, 
         mask=None if mask is None else np_mask(mask, p, n, t, s),
         sinks=sinks,
     )
-    out, w, lse = dpa(
+    call = jax.jit(  # one program per example instead of its operations one by one
+        functools.partial(
+            dpa,
+            score_mod=None if score is None else JAX_SCORES[score](p),
+            mask_mod=None if mask is None else jax_mask(mask, p, batch),
+            sinks=sinks,
+            return_weights=True,
+            return_residual=True,
+        )
+    )
+    out, w, lse = call(
         q.reshape(*batch, t, h, d),
         k.reshape(*batch, s, kv_heads, d),
         v.reshape(*batch, s, kv_heads, 3),
-        score_mod=None if score is None else JAX_SCORES[score](p),
-        mask_mod=None if mask is None else jax_mask(mask, p, batch),
-        sinks=sinks,
-        return_weights=True,
-        return_residual=True,
     )
     np.testing.assert_allclose(out.reshape(want_out.shape), want_out, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(w.reshape(want_w.shape), want_w, atol=2e-6)

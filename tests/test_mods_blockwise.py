@@ -10,6 +10,7 @@ their definitions. Tile skipping is checked on the schedule itself
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -96,9 +97,9 @@ def _assert_paths_agree(fn, args, grad_argnums, out_tol=OUT_TOL, grad_tol=GRAD_T
         return f
 
     results = {}
-    for impl in ("blockwise", "dense"):
-        out = fn(impl, *args)
-        grads = jax.grad(loss(impl), argnums=grad_argnums)(*args)
+    for impl in ("blockwise", "dense"):  # jitted: one program each instead of eager ops
+        out = jax.jit(functools.partial(fn, impl))(*args)
+        grads = jax.jit(jax.grad(loss(impl), argnums=grad_argnums))(*args)
         results[impl] = (out, grads)
     (ob, gb), (od, gd) = results["blockwise"], results["dense"]
     for xb, xd in zip(*(o if isinstance(o, tuple) else (o,) for o in (ob, od)), strict=True):
@@ -191,7 +192,7 @@ def test_sinks_lse_and_fully_masked_rows_equal_dense_and_numpy():
     np.testing.assert_allclose(np.swapaxes(lse, 1, 2), want_lse, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(out[1], 0.0)  # the sink takes all the mass, no value
     np.testing.assert_allclose(lse[1], np.broadcast_to(SINKS, (T, H)), rtol=1e-6)
-    grads = jax.grad(lambda q: jnp.sum(fn("blockwise", q, k, v, jnp.asarray(SINKS))[0]))(q)
+    grads = jax.jit(jax.grad(lambda q: jnp.sum(fn("blockwise", q, k, v, jnp.asarray(SINKS))[0])))(q)
     np.testing.assert_array_equal(grads[1], 0.0)
 
 
@@ -392,13 +393,16 @@ def test_small_tiles_match_numpy(batch, t, s, kv_heads, groups, score, mask, wit
         None: None, "causal": mods.causal(), "window": mods.sliding_window(3, 2),
         "document": doc, "causal&document": mods.causal() & doc,
     }[mask]  # fmt: skip
-    out, lse = blockwise.attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-        Operands(scale=1.0 / math.sqrt(D), bias=None if bias_arr is None else jnp.asarray(bias_arr),
-                 sinks=None if sinks is None else jnp.asarray(sinks)),
-        Settings(score_mod=jax_score, mask_mod=jax_mask, return_residual=True),
-        block_q=8, block_k=8,
-    )  # fmt: skip
+    out, lse = jax.jit(  # one program per example instead of its operations one by one
+        lambda q, k, v: blockwise.attention(
+            q, k, v,
+            Operands(scale=1.0 / math.sqrt(D),
+                     bias=None if bias_arr is None else jnp.asarray(bias_arr),
+                     sinks=None if sinks is None else jnp.asarray(sinks)),
+            Settings(score_mod=jax_score, mask_mod=jax_mask, return_residual=True),
+            block_q=8, block_k=8,
+        )
+    )(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))  # fmt: skip
 
     full_bias = 0.0
     if bias_arr is not None:

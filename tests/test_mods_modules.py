@@ -9,6 +9,8 @@ equal it), and finite differences (``jax.test_util.check_grads`` in float64).
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -379,6 +381,7 @@ def run_decode(cache, q, k, v, schedule, **kwargs):
     returns ``[N, L, H, DH]`` with each real token's output (zeros elsewhere)."""
     out = np.zeros_like(q)
     pos = np.zeros(N, int)
+    step = jax.jit(functools.partial(kvcache.update_and_attend, **kwargs))  # a program a shape
     for chunk in schedule:
         t = max(chunk)
 
@@ -386,9 +389,7 @@ def run_decode(cache, q, k, v, schedule, **kwargs):
             rows = [x[b, starts[b] : starts[b] + chunk[b]] for b in range(N)]
             return np.stack([np.pad(r, [(0, t - len(r))] + [(0, 0)] * 2) for r in rows])
 
-        y, cache = kvcache.update_and_attend(
-            cache, take(q), take(k), take(v), num_new=np.array(chunk, np.int32), **kwargs
-        )
+        y, cache = step(cache, take(q), take(k), take(v), num_new=np.array(chunk, np.int32))
         for b in range(N):
             out[b, pos[b] : pos[b] + chunk[b]] = np.asarray(y[b, : chunk[b]])
             # padding queries attend nothing: zero output

@@ -27,6 +27,7 @@ from tests.reference import np_attention
 B, H, K, D, PAGE, WIDTH, POOL = 3, 4, 2, 5, 4, 4, 16
 
 jit_paged = jax.jit(paged.update_and_attend, static_argnames=("local_window_size",))
+jit_contiguous = jax.jit(kv.update_and_attend)  # the reference: one program a chunk shape
 
 
 def qkv(rng, length, batch=B):
@@ -200,7 +201,7 @@ def test_prefill_and_decode_equal_contiguous_cache_and_numpy(chunked):
         n = np.clip(prompts - lo, 0, hi - lo)
         sl = slice(lo, hi)
         po, pc = paged.update_and_attend(pc, q[:, sl], k[:, sl], v[:, sl], num_new=jnp.asarray(n))
-        co, cc = kv.update_and_attend(cc, q[:, sl], k[:, sl], v[:, sl], num_new=jnp.asarray(n))
+        co, cc = jit_contiguous(cc, q[:, sl], k[:, sl], v[:, sl], num_new=jnp.asarray(n))
         np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
         for b in range(B):
             per_row[b].append(np.asarray(po[b, : n[b]]))
@@ -210,7 +211,7 @@ def test_prefill_and_decode_equal_contiguous_cache_and_numpy(chunked):
         rows = np.arange(B)
         step = [x[rows, pos][:, None] for x in (q, k, v)]
         po, pc = jit_paged(pc, *step)
-        co, cc = kv.update_and_attend(cc, *step)
+        co, cc = jit_contiguous(cc, *step)
         np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
         for b in range(B):
             per_row[b].append(np.asarray(po[b]))
@@ -265,21 +266,22 @@ def test_block_work_list_attends_like_the_contiguous_cache(modified):
     cc = kv.init_cache(B, width * page, K, D)
     opts = dict(local_window_size=(150, 0), sinks=jnp.ones((H,))) if modified else {}
     opts["implementation"] = "xla"
+    # jitted: one program per chunk shape instead of hundreds of eager operations
+    paged_call = jax.jit(functools.partial(paged.update_and_attend, **opts))
+    contiguous_call = jax.jit(functools.partial(kv.update_and_attend, **opts))
     for lo, hi, n in ((0, 290, [290, 0, 140]), (290, 291, [1, 1, 1]), (291, 292, [1, 0, 1])):
         n = jnp.asarray(n)
         blocks = paged.block_list(np.asarray(pc.lengths + n), page, num_blocks=9)
         chunk = [x[:, lo:hi] for x in (q, k, v)]
-        po, pc = paged.update_and_attend(
-            pc._replace(blocks=jnp.asarray(blocks)), *chunk, num_new=n, **opts
-        )
-        co, cc = kv.update_and_attend(cc, *chunk, num_new=n, **opts)
+        po, pc = paged_call(pc._replace(blocks=jnp.asarray(blocks)), *chunk, num_new=n)
+        co, cc = contiguous_call(cc, *chunk, num_new=n)
         np.testing.assert_allclose(po, co, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(pc.lengths, [292, 1, 142])
     if not modified:  # the list is what is attended: a row left out attends nothing
         step = [x[:, 292:293] for x in (q, k, v)]
         blocks = paged.block_list(np.asarray(pc.lengths + 1) * np.array([1, 1, 0]), page)
-        po, _ = paged.update_and_attend(pc._replace(blocks=jnp.asarray(blocks)), *step, **opts)
-        co, _ = kv.update_and_attend(cc, *step, **opts)
+        po, _ = paged_call(pc._replace(blocks=jnp.asarray(blocks)), *step)
+        co, _ = contiguous_call(cc, *step)
         np.testing.assert_allclose(po[:2], co[:2], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(po[2], 0.0)
 
