@@ -508,6 +508,16 @@ def test_fused_paged_gradient_equals_the_xla_paths(int8):
     xla = jax.jit(jax.grad(functools.partial(loss, implementation="xla")))(chunk)
     for a, b in zip(fused, xla, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # forward over reverse (jax.hessian) from outside a jit: the XLA formulation's
+    # derivative (JAX refused forward mode of the custom VJP this call had before)
+    q, k, v = chunk
+    second = [
+        jax.jacfwd(jax.grad(jax.jit(lambda x, kw=kw: loss((q.at[0, :1].set(x), k, v), **kw))))(
+            q[0, :1]
+        )
+        for kw in ({}, {"implementation": "xla"})
+    ]
+    np.testing.assert_allclose(*second, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

@@ -9,8 +9,9 @@ table's width. On CPU with the kernel built it is one ``jax.ffi.ffi_call``
 keys, and for a long row with few queries (decoding) fixed key splits merged in order
 (split-KV, as flash-decoding), so the result does not depend on the thread count
 (``JATTN_CPU_THREADS``). Elsewhere (another platform's lowering, or no kernel) it is the
-XLA formulation: gather the pages, mask, softmax. Its gradient is that formulation's
-(a ``jax.custom_vjp``), so ``jax.grad`` works on every platform.
+XLA formulation: gather the pages, mask, softmax. Its derivatives are that formulation's
+(a ``jax.custom_jvp``), so ``jax.grad``, ``jax.jvp`` and ``jax.hessian`` work on every
+platform, jitted or not.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _check_arrays(query, k_pages, v_pages, k_scales, v_scales):
     return query.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(9, 10))
 def _paged(
     q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths, causal, scale
 ):
@@ -129,28 +130,13 @@ def _paged(
     return jax.lax.platform_dependent(*operands, cpu=fused, default=xla)
 
 
-def _paged_fwd(*args):
-    return _paged(*args), args[:9]
-
-
-def _paged_bwd(causal, scale, operands, d_out):
-    q, k_pages, v_pages, k_scales, v_scales, *ints = operands
-    floats = {"q": q}
-    if k_scales is None:
-        floats.update(k_pages=k_pages, v_pages=v_pages)
-    else:
-        floats.update(k_scales=k_scales, v_scales=v_scales)
-    fixed = dict(q=q, k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales)
-
-    def f(floats):
-        args = {**fixed, **floats}
-        return _xla(*(args[k] for k in fixed), *ints, causal=causal, scale=scale)
-
-    (grads,) = jax.vjp(f, floats)[1](d_out)
-    return (*(grads.get(k) for k in fixed), None, None, None, None)
-
-
-_paged.defvjp(_paged_fwd, _paged_bwd)
+@_paged.defjvp
+def _paged_jvp(causal, scale, primals, tangents):
+    """The XLA formulation's derivative beside the call's value: forward mode
+    (``jax.jvp``, ``jax.hessian``) and, through it, reverse mode (the tangent is linear,
+    so JAX transposes it; ``jax.grad`` recomputes that formulation's weights)."""
+    xla = functools.partial(_xla, causal=causal, scale=scale)
+    return _paged(*primals, causal, scale), jax.jvp(xla, primals, tangents)[1]
 
 
 def _threads() -> int:
