@@ -264,10 +264,10 @@ def _without_forward_mode(call):
     it reaches the kernels, where JAX's own error names only the FFI target."""
 
     @jax.custom_jvp
-    def backward(*operands):
+    def kernel(*operands):
         return call(*operands)
 
-    @backward.defjvp
+    @kernel.defjvp
     def _(primals, tangents):
         raise ValueError(
             "jattn's fused CPU kernel has no forward-mode derivative, and a second derivative "
@@ -276,7 +276,7 @@ def _without_forward_mode(call):
             "outside (jax.jit(jax.hessian(f))) or pass implementation='dense'."
         )
 
-    return backward
+    return kernel
 
 
 def _dbias_layout(bias, static: Static, logits: tuple[int, ...]) -> tuple[int, tuple]:
