@@ -108,7 +108,9 @@ class PagedKVCache(NamedTuple):
       v_pages: ``[num_pages, page_size, num_kv_heads, v_head_dim]``: the value pool.
       page_table: int32 ``[batch..., pages_per_seq]``: ``page_table[b, i]`` is the page
         holding positions ``i * page_size ... (i + 1) * page_size - 1`` of row ``b``; a
-        value outside ``[0, num_pages)`` marks a page not allocated.
+        value outside ``[0, num_pages)`` marks a page not allocated. Rows may share the
+        pages they only read (a common prompt prefix); a chunk must not write a slot that
+        another position holds (an eager call checks; under jit such writes race).
       lengths: int32 ``[batch...]``: positions filled in each row.
       k_scales: int8 pages only: float32 ``[num_pages, page_size, num_kv_heads]``, the
         scale of each stored key (``key = k_pages * k_scales``); None for float pages.
@@ -333,6 +335,7 @@ def _check_chunk(cache: PagedKVCache, key, value, num_new) -> tuple[Array, Array
             )
         if _checks.is_host_value(cache.page_table):
             _check_allocated(cache, lengths.reshape(-1), n.reshape(-1))
+            _check_overwrites(cache, lengths.reshape(-1), n.reshape(-1))
     return key, value, num_new
 
 
@@ -351,6 +354,40 @@ def _check_allocated(cache: PagedKVCache, lengths: np.ndarray, num_new: np.ndarr
                 f"[0, {num_pages})). Write a page id into the table before the chunk "
                 "(jattn.models.generate_many allocates pages for you)."
             )
+
+
+def _check_overwrites(cache: PagedKVCache, lengths: np.ndarray, num_new: np.ndarray) -> None:
+    """A ValueError where a chunk's token would land on a slot of the pool that another
+    position holds after the chunk, its own row's or another's (eager: under jit the
+    writes race, and rows read each other's tokens). Pages shared between rows are
+    read-only; only the pages this chunk writes are looked at."""
+    size = page_size(cache)
+    table = np.asarray(cache.page_table).reshape(lengths.size, -1).astype(np.int64)
+    end = lengths.astype(np.int64) + num_new  # positions each row holds after the chunk
+    first, last = lengths // size, -(-end // size)  # written pages' table columns: [first, last)
+    column = np.arange(table.shape[1])
+    writes = (column >= first[:, None]) & (column < last[:, None]) & (num_new[:, None] > 0)
+    written = np.unique(table[writes])
+    held = (column < last[:, None]) & np.isin(table, written)  # entries naming a written page
+    rows, cols = np.nonzero(held)
+    pos = (cols[:, None] * size + np.arange(size)).ravel()  # [entries * size] positions
+    rows = np.repeat(rows, size)
+    keep = pos < end[rows]
+    rows, pos = rows[keep], pos[keep]
+    slot = table[rows, pos // size] * size + pos % size
+    _, inverse, counts = np.unique(slot, return_inverse=True, return_counts=True)
+    clash = np.nonzero((counts[inverse] > 1) & (pos >= lengths[rows]))[0]
+    if clash.size:
+        i = clash[0]
+        j = next(j for j in np.nonzero(slot == slot[i])[0] if j != i)
+        raise ValueError(
+            f"row {rows[i]} writes position {pos[i]} into page {slot[i] // size}, slot "
+            f"{slot[i] % size}, which row {rows[j]} holds as its position {pos[j]} "
+            f"(page_table[{rows[i]}, {pos[i] // size}] and page_table[{rows[j]}, "
+            f"{pos[j] // size}]). A page holds one row's positions: pages shared by rows (a "
+            "common prefix) are read-only, so give each row its own page for the positions "
+            "it writes (jattn.models.generate_many does this for you)."
+        )
 
 
 def _check_query(query, key: Array) -> Array:

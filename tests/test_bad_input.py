@@ -501,6 +501,8 @@ CASES = [
     Case("kvcache.append", "negative cache.lengths", V, "cache.lengths must be >= 0", lambda: kvcache.append(CACHE._replace(lengths=jnp.array([-1, 0])), CHUNK, CHUNK)),
     # paged
     Case("paged.append", "a chunk onto unallocated pages", V, "is not an allocated page", lambda: paged.append(PAGED, CHUNK, CHUNK)),
+    Case("paged.append", "two rows whose tables name one page for the positions they write", V, "which row 1 holds as its position 0", lambda: paged.append(OWNED._replace(page_table=jnp.array([[0, 1], [0, 3]])), CHUNK, CHUNK)),
+    Case("paged.update_and_attend", "a row writing a shared prefix page another row holds", V, "pages shared by rows (a common prefix) are read-only", lambda: paged.update_and_attend(OWNED._replace(page_table=jnp.array([[0, 1], [0, 3]]), lengths=jnp.array([1, 2])), CHUNK[:, :1], CHUNK[:, :1], CHUNK[:, :1])),
     Case("paged.append", "int keys", T, "key must have a floating dtype", lambda: paged.append(OWNED, CHUNK.astype(int), CHUNK)),
     Case("paged.append", "negative cache.lengths", V, "cache.lengths must be >= 0", lambda: paged.append(OWNED._replace(lengths=jnp.array([-1, 0])), CHUNK, CHUNK)),
     Case("paged.update_and_attend", "queries of another chunk length than the keys", V, "query must have shape", lambda: paged.update_and_attend(OWNED, jnp.ones((2, 1, 1, 4)), CHUNK, CHUNK, implementation="xla")),

@@ -187,6 +187,40 @@ def test_eager_mistakes_the_values_reveal_raise():
     assert not np.asarray(after.k_pages)[[0, 1, 3]].any()
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_rows_may_share_a_prefix_page_but_never_write_one_another_holds(implementation):
+    """Two rows read one prompt page, written once (as generate_many shares prompt pages),
+    then write their own pages: each row attends as if it held its own copy. A chunk that
+    would write a slot another position holds raises (eager; under jit the writes race)."""
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, PAGE + 3, batch=2)
+    k, v = (x.at[1, :PAGE].set(x[0, :PAGE]) for x in (k, v))  # one prompt page for both rows
+    table = jnp.asarray([[5, 0, 7], [5, 6, 1]], jnp.int32)
+    pc = paged.init_paged_cache(2, 8, PAGE, 3, K, D)._replace(page_table=table)
+    _, pc = paged.update_and_attend(pc, *(x[:, :PAGE] for x in (q, k, v)), num_new=[PAGE, 0])
+    pc = pc._replace(lengths=jnp.asarray([PAGE, PAGE], jnp.int32))  # row 1 takes the page
+    cc = kv.init_cache(2, 3 * PAGE, K, D)
+    _, cc = jit_contiguous(cc, *(x[:, :PAGE] for x in (q, k, v)))
+    rest = [x[:, PAGE:] for x in (q, k, v)]
+    po, after = paged.update_and_attend(pc, *rest, implementation=implementation)
+    co, _ = jit_contiguous(cc, *rest)
+    np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(after.k_pages)[5], k[0, :PAGE])  # unchanged
+    # row 1 writing row 0's next page, or the rest of a prompt page both rows hold
+    overlap = pc._replace(page_table=jnp.asarray([[5, 0, 7], [5, 0, 1]], jnp.int32))
+    with pytest.raises(ValueError, match=r"row 0 writes position 4 into page 0, slot 0, which "
+                       r"row 1 holds as its position 4"):  # fmt: skip
+        paged.update_and_attend(overlap, *rest, implementation=implementation)
+    partial = pc._replace(lengths=jnp.asarray([PAGE, PAGE - 1], jnp.int32))
+    with pytest.raises(ValueError, match=r"row 1 writes position 3 into page 5.*row 0 holds"):
+        paged.append(partial, *rest[1:], num_new=[0, 1])
+    # one row whose table names a page twice overwrites its own earlier positions
+    twice = pc._replace(page_table=jnp.asarray([[5, 5, 7], [2, 6, 1]], jnp.int32))
+    with pytest.raises(ValueError, match=r"row 0 writes position 4 into page 5, slot 0, which "
+                       r"row 0 holds as its position 0"):  # fmt: skip
+        paged.append(twice, *rest[1:], num_new=[1, 0])
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_prefill_and_decode_equal_contiguous_cache_and_numpy(chunked):
     rng = np.random.default_rng(2)
