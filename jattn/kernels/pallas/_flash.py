@@ -554,104 +554,188 @@ def _dkv_kernel(spec: C.Spec, names, out_names, *refs):
     r = _Refs(names, refs[: len(names)])
     out = dict(zip(out_names, refs[len(names) :], strict=True))
     bq, bk = spec.bwd_block
-    nq = spec.padded_q // bq
-    j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    col0 = j * bk
-    k, v = r.k[...], r.v[...]
-    q_len, kv_len = _scalar(spec, r.q_len, b), _scalar(spec, r.kv_len, b)
-    kv_seg = None if r.kv_seg is None else r.kv_seg[...]
-    sconsts = r.consts("score_consts", spec.num_score_consts)
-    mconsts = r.consts("mask_consts", spec.num_mask_consts)
-    threshold, inv_keep = _scalar(spec, r.threshold), _scalar(spec, r.inv_keep)
-    bias_q = r.bias is not None and r.bias.shape[1] > 1  # the bias varies along queries
-    bias_k = r.bias is not None and r.bias.shape[2] > 1
-    f32 = jnp.float32
+    kt = _key_tile(spec, r)
+    bias_q, bias_k = _bias_axes(r)
     if bias_q:  # tiles never visited keep a zero gradient
-        zeros = jnp.zeros((bq, bk if bias_k else 1), f32)
-
-        def clear_head(g, _):
-            def clear(i, _):
-                out["dbias"][g, pl.ds(pl.multiple_of(i * bq, bq), bq), :] = zeros
-                return 0
-
-            return lax.fori_loop(0, nq, clear, 0)
-
-        lax.fori_loop(0, out["dbias"].shape[0], clear_head, 0)
-    floats = [c for c, fl in zip(sconsts, spec.score_float, strict=True) if fl]
-    lo, hi = _query_range(spec, col0, bq, bk, q_len, kv_len)
-
-    def head(g, carry):
-        dk, dv, d_consts = carry
-        h = kh * spec.groups + g
-        slope = None if r.slopes is None else r.slopes[g].astype(f32)
-        gb = g if r.bias is not None and r.bias.shape[0] > 1 else 0
-        gr = g if r.key0 is not None and r.key0.shape[0] > 1 else 0
-        bias_acc0 = jnp.zeros((1, bk if bias_k else 1), f32)
-        slope_acc0 = jnp.zeros((1, 1), f32)
-
-        def row_tile(i, c):
-            row0 = i * bq
-            rows = pl.ds(pl.multiple_of(row0, bq), bq)
-            t = C.Tile(b, h, row0, bq, col0, bk)
-            q_seg = None if r.q_seg is None else r.q_seg[rows, :]
-
-            def step(c, masked: bool, mod_mask: bool):
-                dk, dv, d_consts, bias_acc, slope_acc = c
-                q, do = _group_rows(spec, r.q, g, rows), _group_rows(spec, r.do, g, rows)
-                lse, delta = r.lse[g, rows, :], r.delta[g, rows, :]
-                bias = None
-                if r.bias is not None:
-                    bias = r.bias[gb, rows, :] if bias_q else r.bias[gb]
-                s, vjp = _tile_scores(spec, r, t, q, k, slope, sconsts, bias, grad=True)
-                mask = _mask(spec, t, masked, mod_mask, q_len, kv_len, q_seg, kv_seg, mconsts)
-                p = _probs(spec, s, mask, lse)
-                keys = None if r.key0 is None else (r.key0[gr, rows, :], r.key1[gr, rows, :])
-                pd, dp = _drop(spec, t, keys, threshold, inv_keep, p, C.dot(do, v, (1, 1)))
-                dv = dv + C.dot(pd.astype(do.dtype), do, (0, 0))
-                ds = p * (dp - delta)
-                if r.bias is not None:
-                    tile_db = ds if bias_k else jnp.sum(ds, axis=1, keepdims=True)
-                    if bias_q:
-                        out["dbias"][g, rows, :] = tile_db
-                    else:
-                        bias_acc = bias_acc + jnp.sum(tile_db, axis=0, keepdims=True)
-                if vjp is not None:
-                    ds, d_slope, dc = vjp(ds)
-                    if d_slope is not None:
-                        slope_acc = slope_acc + d_slope
-                    d_floats = [x for x, fl in zip(dc, spec.score_float, strict=True) if fl]
-                    d_consts = tuple(a + x for a, x in zip(d_consts, d_floats, strict=True))
-                dk = dk + C.dot(ds.astype(q.dtype), q, (0, 0)) * spec.scale
-                return dk, dv, d_consts, bias_acc, slope_acc
-
-            interior = _interior(spec, row0, bq, col0, bk, q_len, kv_len)
-            state = None if r.bwd_states is None else r.bwd_states[i, j]
-            if spec.segments and state is None:
-                seen = _any(q_seg == kv_seg)
-                return lax.cond(
-                    seen, lambda c2: _visit(spec, step, c2, interior, None), lambda c2: c2, c
-                )
-            return _visit(spec, step, c, interior, state)
-
-        dk, dv, d_consts, bias_acc, slope_acc = lax.fori_loop(
-            lo, hi, row_tile, (dk, dv, d_consts, bias_acc0, slope_acc0)
-        )
-        if r.bias is not None and not bias_q:
-            out["dbias"][g] = bias_acc
-        if "dslope" in out:
-            out["dslope"][g] = slope_acc
-        return dk, dv, d_consts
-
+        _clear_dbias(spec, out["dbias"], bk if bias_k else 1)
+    f32 = jnp.float32
+    floats = [c for c, fl in zip(kt.sconsts, spec.score_float, strict=True) if fl]
+    lo, hi = _query_range(spec, kt.col0, bq, bk, kt.q_len, kt.kv_len)
     carry0 = (
         jnp.zeros((bk, spec.head_dim), f32),
         jnp.zeros((bk, spec.v_dim), f32),
         tuple(jnp.zeros(c.shape, f32) for c in floats),
     )
+    head = functools.partial(_dkv_head, spec, r, out, kt, lo, hi)
     dk, dv, d_consts = lax.fori_loop(0, spec.groups, head, carry0)
     out["dk"][...] = dk.astype(out["dk"].dtype)
     out["dv"][...] = dv.astype(out["dv"].dtype)
     for c, d in enumerate(d_consts):
         out[f"dconst{c}"][...] = d.astype(out[f"dconst{c}"].dtype)
+
+
+class _KeyTile(NamedTuple):
+    """A dK/dV program's key tile and the operands all its query tiles share."""
+
+    b: Array  # the program's batch row
+    kh: Array  # its key/value head
+    j: Array  # its key tile
+    col0: Array  # the tile's first key
+    k: Array
+    v: Array
+    q_len: Array | None
+    kv_len: Array | None
+    kv_seg: Array | None
+    sconsts: list
+    mconsts: list
+    threshold: Array | None
+    inv_keep: Array | None
+
+
+def _key_tile(spec: C.Spec, r: _Refs) -> _KeyTile:
+    """The dK/dV program's :class:`_KeyTile`, read from its program ids and refs."""
+    j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    return _KeyTile(
+        b=b, kh=kh, j=j, col0=j * spec.bwd_block[1], k=r.k[...], v=r.v[...],
+        q_len=_scalar(spec, r.q_len, b), kv_len=_scalar(spec, r.kv_len, b),
+        kv_seg=None if r.kv_seg is None else r.kv_seg[...],
+        sconsts=r.consts("score_consts", spec.num_score_consts),
+        mconsts=r.consts("mask_consts", spec.num_mask_consts),
+        threshold=_scalar(spec, r.threshold), inv_keep=_scalar(spec, r.inv_keep),
+    )  # fmt: skip
+
+
+def _bias_axes(r: _Refs) -> tuple[bool, bool]:
+    """Whether the dK/dV program's bias varies along queries, and along keys."""
+    return (
+        r.bias is not None and r.bias.shape[1] > 1,
+        r.bias is not None and r.bias.shape[2] > 1,
+    )
+
+
+def _clear_dbias(spec: C.Spec, dbias_ref, width: int):
+    """Zeros every query tile of a bias-gradient block ``[G, Lq, width]``."""
+    bq = spec.bwd_block[0]
+    nq = spec.padded_q // bq
+    zeros = jnp.zeros((bq, width), jnp.float32)
+
+    def clear_head(g, _):
+        def clear(i, _):
+            dbias_ref[g, pl.ds(pl.multiple_of(i * bq, bq), bq), :] = zeros
+            return 0
+
+        return lax.fori_loop(0, nq, clear, 0)
+
+    lax.fori_loop(0, dbias_ref.shape[0], clear_head, 0)
+
+
+class _QueryHead(NamedTuple):
+    """One query head of a dK/dV program's group."""
+
+    g: Array  # its index in the group
+    h: Array  # its head
+    slope: Array | None  # its ALiBi slope (float32)
+    gb: Any  # its index in the bias block (0 where the heads share the bias)
+    gr: Any  # its index in the dropout keys (0 where the heads share the dropout mask)
+
+
+def _dkv_head(spec: C.Spec, r: _Refs, out: dict, kt: _KeyTile, lo, hi, g, carry):
+    """``carry`` plus head ``g``'s query tiles ``[lo, hi)``; writes its summed dbias, dslope."""
+    dk, dv, d_consts = carry
+    bias_q, bias_k = _bias_axes(r)
+    f32 = jnp.float32
+    qh = _QueryHead(
+        g=g,
+        h=kt.kh * spec.groups + g,
+        slope=None if r.slopes is None else r.slopes[g].astype(f32),
+        gb=g if r.bias is not None and r.bias.shape[0] > 1 else 0,
+        gr=g if r.key0 is not None and r.key0.shape[0] > 1 else 0,
+    )
+    bias_acc0 = jnp.zeros((1, spec.bwd_block[1] if bias_k else 1), f32)
+    slope_acc0 = jnp.zeros((1, 1), f32)
+    row_tile = functools.partial(_dkv_query_tile, spec, r, out, kt, qh)
+    dk, dv, d_consts, bias_acc, slope_acc = lax.fori_loop(
+        lo, hi, row_tile, (dk, dv, d_consts, bias_acc0, slope_acc0)
+    )
+    if r.bias is not None and not bias_q:
+        out["dbias"][g] = bias_acc
+    if "dslope" in out:
+        out["dslope"][g] = slope_acc
+    return dk, dv, d_consts
+
+
+def _dkv_query_tile(spec: C.Spec, r: _Refs, out: dict, kt: _KeyTile, qh: _QueryHead, i, c):
+    """``c`` plus query tile ``i``'s gradients: skipped, plain or masked as it is visible."""
+    bq, bk = spec.bwd_block
+    row0 = i * bq
+    rows = pl.ds(pl.multiple_of(row0, bq), bq)
+    t = C.Tile(kt.b, qh.h, row0, bq, kt.col0, bk)
+    q_seg = None if r.q_seg is None else r.q_seg[rows, :]
+    step = functools.partial(_dkv_tile, spec, r, out, kt, qh, t, rows, q_seg)
+    interior = _interior(spec, row0, bq, kt.col0, bk, kt.q_len, kt.kv_len)
+    state = None if r.bwd_states is None else r.bwd_states[i, kt.j]
+    return _visit_tile(spec, step, c, interior, state, q_seg, kt.kv_seg)
+
+
+def _visit_tile(spec: C.Spec, step, carry, interior, state, q_seg, kv_seg):
+    """:func:`_visit`, first skipping (where no tile states do) a tile whose segments never meet."""
+    if spec.segments and state is None:
+        seen = _any(q_seg == kv_seg)
+        return lax.cond(
+            seen, lambda c2: _visit(spec, step, c2, interior, None), lambda c2: c2, carry
+        )
+    return _visit(spec, step, carry, interior, state)
+
+
+def _dkv_tile(
+    spec: C.Spec, r: _Refs, out: dict, kt: _KeyTile, qh: _QueryHead, t: C.Tile, rows, q_seg,
+    c, masked: bool, mod_mask: bool,
+):  # fmt: skip
+    """``c`` plus one visible tile's dK, dV, bias, slope and score-constant gradients."""
+    dk, dv, d_consts, bias_acc, slope_acc = c
+    q, do = _group_rows(spec, r.q, qh.g, rows), _group_rows(spec, r.do, qh.g, rows)
+    lse, delta = r.lse[qh.g, rows, :], r.delta[qh.g, rows, :]
+    bias = _dkv_bias(r, qh.gb, rows)
+    s, vjp = _tile_scores(spec, r, t, q, kt.k, qh.slope, kt.sconsts, bias, grad=True)
+    mask = _mask(spec, t, masked, mod_mask, kt.q_len, kt.kv_len, q_seg, kt.kv_seg, kt.mconsts)
+    p = _probs(spec, s, mask, lse)
+    keys = None if r.key0 is None else (r.key0[qh.gr, rows, :], r.key1[qh.gr, rows, :])
+    pd, dp = _drop(spec, t, keys, kt.threshold, kt.inv_keep, p, C.dot(do, kt.v, (1, 1)))
+    dv = dv + C.dot(pd.astype(do.dtype), do, (0, 0))
+    ds = p * (dp - delta)
+    if r.bias is not None:
+        bias_acc = _add_dbias(r, out, qh.g, rows, ds, bias_acc)
+    if vjp is not None:
+        ds, slope_acc, d_consts = _modifier_grads(spec, vjp, ds, slope_acc, d_consts)
+    dk = dk + C.dot(ds.astype(q.dtype), q, (0, 0)) * spec.scale
+    return dk, dv, d_consts, bias_acc, slope_acc
+
+
+def _dkv_bias(r: _Refs, gb, rows):
+    """The dK/dV program's bias tile (head ``gb`` of its block, the tile's queries)."""
+    if r.bias is None:
+        return None
+    return r.bias[gb, rows, :] if _bias_axes(r)[0] else r.bias[gb]
+
+
+def _add_dbias(r: _Refs, out: dict, g, rows, ds, bias_acc):
+    """Head ``g``'s bias gradient of a tile: written where it varies along queries, else summed."""
+    bias_q, bias_k = _bias_axes(r)
+    tile_db = ds if bias_k else jnp.sum(ds, axis=1, keepdims=True)
+    if bias_q:
+        out["dbias"][g, rows, :] = tile_db
+        return bias_acc
+    return bias_acc + jnp.sum(tile_db, axis=0, keepdims=True)
+
+
+def _modifier_grads(spec: C.Spec, vjp, ds, slope_acc, d_consts):
+    """``ds`` through the score modifiers' VJP, and the slope and float-constant gradient sums."""
+    ds, d_slope, dc = vjp(ds)
+    if d_slope is not None:
+        slope_acc = slope_acc + d_slope
+    d_floats = [x for x, fl in zip(dc, spec.score_float, strict=True) if fl]
+    d_consts = tuple(a + x for a, x in zip(d_consts, d_floats, strict=True))
+    return ds, slope_acc, d_consts
 
 
 def _dq_kernel(spec: C.Spec, names, *refs):
