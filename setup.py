@@ -14,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 CSRC = "jattn/kernels/cpu/csrc"
 SOURCES = [f"{CSRC}/{name}.cc" for name in ("ffi", "attention_avx512", "attention_avx2",
                                             "attention_generic", "paged_avx512", "paged_avx2",
-                                            "paged_generic")]  # fmt: skip
+                                            "paged_generic", "argmax")]  # fmt: skip
 
 
 class BuildKernel(build_ext):

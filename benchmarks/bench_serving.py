@@ -63,7 +63,7 @@ import numpy as np
 from flax import nnx
 from timing import settle  # benchmarks/timing.py, beside this script
 
-from jattn import kvcache, models, paged
+from jattn import generate, kvcache, models, paged
 
 RESULTS = os.path.join(os.path.dirname(__file__), "serving_results.md")
 # Consecutive calls per candidate and round in the "runs" decode-step figures.
@@ -393,6 +393,18 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     return single, runs, spread
 
 
+def greedy_pick(slots: int, vocab: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of the greedy pick of ``[slots, vocab]`` float32 logits: jattn's
+    (``generate.sample_next``, on CPU the kernel ``jattn.kernels.cpu.argmax``) and
+    ``jnp.argmax``'s, jitted and called in turn (:func:`_interleaved_medians`)."""
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(slots, vocab)), jnp.float32)
+    ours, peer = jax.jit(generate.sample_next), jax.jit(partial(jnp.argmax, axis=-1))
+    medians, _, _ = _interleaved_medians(
+        {"ours": (lambda _: ours(logits), None), "peer": (lambda _: peer(logits), None)}, repeats
+    )
+    return medians["ours"], medians["peer"]
+
+
 def book_qwen3(cfg, prompts, max_new, batch: int):
     """The book's batched KV-cache generation; seconds, and the torch model (for weights)."""
     import torch
@@ -466,6 +478,7 @@ def main(argv=None) -> None:
     agree = np.mean([o.tolist() == static[i, : len(o)].tolist() for i, o in enumerate(outs)])
     steps, runs, spread = decode_steps(gpt, args.slots, capacity, args.page_size, args.step_repeats)
     int8_error, int8_agree = int8_logit_error(gpt, args.page_size)
+    pick, peer_pick = greedy_pick(args.slots, args.vocab, 10 * args.step_repeats)
 
     rows = [
         ("tokens/s, continuous batching (`generate_many`, "
@@ -512,6 +525,11 @@ def main(argv=None) -> None:
          f"{steps[('contiguous', 0.1)] / steps[('contiguous', 1.0)]:.2f}x "
          f"({steps[('contiguous', 0.1)] * 1e3:.1f} / {steps[('contiguous', 1.0)] * 1e3:.1f} ms)", ""),
     ]  # fmt: skip
+    rows.append(
+        (f"greedy pick of [{args.slots}, {args.vocab}] logits (`sample_next`: on CPU "
+         "`jattn.kernels.cpu.argmax`) / `jnp.argmax`",
+         f"{pick / peer_pick:.2f}x ({pick * 1e6:.0f} / {peer_pick * 1e6:.0f} us)", ""),
+    )  # fmt: skip
     rows.append(
         ("int8 KV pages: max logit error / logit std (prefill 128 + 1 step; greedy agreement)",
          f"{int8_error:.3f} ({int8_agree:.0%})", "reported"),

@@ -49,6 +49,7 @@ import numpy as np
 
 from jattn import _checks, kvcache
 from jattn import masks as masks_lib
+from jattn.kernels import cpu as cpu_kernels
 
 __all__ = [
     "LinenDecodeFn",
@@ -102,25 +103,6 @@ def check_sampling(temperature, top_k, key) -> tuple[float, int | None]:
     return temperature, top_k
 
 
-def _first_max(logits: Array) -> Array:
-    """int32 ``[batch...]``: ``jnp.argmax`` over the last axis (the first NaN if any, else the
-    first largest) as two plain reductions: XLA's CPU argmax (a reduction over value and
-    index pairs) takes 3-6x longer on ``[16, 8192]`` logits, as much as a layer's step.
-
-    NaNs are looked for, not left to the max: XLA's CPU max reduction of a large row can
-    drop them (``jnp.max`` of ``[16, 8192]`` logits with a NaN column returned numbers, in
-    jax 0.10), which picked a number's index where ``argmax`` picks the NaN's.
-    """
-    vocab = logits.shape[-1]
-    nan = jnp.isnan(logits)
-    top = jnp.max(jnp.where(nan, jnp.inf, logits), axis=-1, keepdims=True)
-    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    # a NaN's index ranks before every largest's (index + vocab); the rest after both
-    rank = jnp.where(nan, index, jnp.where(logits == top, index + vocab, 2 * vocab))
-    first = jnp.min(rank, axis=-1)
-    return jnp.where(first >= vocab, first - vocab, first)
-
-
 def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, top_k=None):
     """Picks one token per row from next-token logits.
 
@@ -150,7 +132,7 @@ def sample_next(logits, key: Array | None = None, *, temperature: float = 0.0, t
     # [batch..., V] in float32: sampling should not depend on a bfloat16 rounding.
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     if temperature == 0.0:
-        return _first_max(logits)
+        return cpu_kernels.argmax(logits)  # one kernel call on CPU, else two reductions
     if top_k is not None and top_k < logits.shape[-1]:
         # [batch..., 1]: the k-th largest logit; everything below it is hidden.
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]

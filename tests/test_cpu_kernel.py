@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import jax
 import jax.extend
@@ -1039,3 +1040,74 @@ def test_block_mask_with_dropout_bias_sinks_lengths_and_segments():
                                (*fused[:2], *fused[2]), (*blockwise[:2], *blockwise[2]),
                                strict=True):  # fmt: skip
         assert_close(got, want, 1e-4, f"{name} vs blockwise")
+
+
+# ----------------------------------------------------------------------------------------
+# The greedy pick (jattn.kernels.cpu.argmax)
+# ----------------------------------------------------------------------------------------
+
+
+def _hard_rows(rng, shape) -> np.ndarray:
+    """float32 logits whose rows hold, where wide enough: +inf then a NaN, a tie for the
+    largest, -0.0 / 0.0 only, -inf only, a NaN first, a NaN in the last (tail) column."""
+    x = rng.normal(size=shape).astype(np.float32)
+    rows, v = x.reshape(-1, shape[-1]), shape[-1]
+    cases = [
+        lambda r: r.__setitem__([1, v - 1], [np.inf, np.nan]),
+        lambda r: r.__setitem__([v // 3, v - 2], r.max() + 1.0),
+        lambda r: r.__setitem__(slice(None), np.where(rng.random(v) < 0.5, -0.0, 0.0)),
+        lambda r: r.__setitem__(slice(None), -np.inf),
+        lambda r: r.__setitem__(0, np.nan),
+        lambda r: r.__setitem__(v - 1, np.nan),
+    ]
+    for row, case in zip(rows, cases if v >= 3 else cases[2:], strict=False):
+        case(row)
+    return x
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("shape", [(1, 1), (6, 17), (2, 3, 33), (16, 8192), (7, 50257)], ids=str)
+def test_argmax_is_jnp_argmax(shape, fused, monkeypatch):
+    """Both formulations (the kernel; the two reductions of another platform, or of no
+    kernel) give numpy's argmax: the first NaN, else the first largest; in bfloat16 and
+    float16 too, eager, jitted and vmapped; the kernel is the call's one custom call."""
+    if fused and not BUILT:
+        pytest.skip(f"fused CPU kernel {_library.status()}")
+    if not fused:
+        monkeypatch.setattr(_library, "library", lambda: None)
+    x = _hard_rows(np.random.default_rng(shape[-1]), shape)
+    jitted = jax.jit(lambda x: kernels.cpu.argmax(x))  # its own trace cache: not the other case's
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        logits = jnp.asarray(x, dtype)
+        want = np.argmax(np.asarray(logits, np.float32), axis=-1)
+        for got in (kernels.cpu.argmax(logits), jitted(logits)):
+            assert got.dtype == jnp.int32 and got.shape == shape[:-1]
+            np.testing.assert_array_equal(got, want, err_msg=str(dtype))
+    stacked = jnp.stack([jnp.asarray(x), -jnp.asarray(x)])
+    np.testing.assert_array_equal(
+        jax.vmap(jitted)(stacked), np.argmax(np.asarray(stacked), axis=-1)
+    )
+    assert ("jattn_cpu_argmax" in jitted.lower(x).as_text()) == fused
+
+
+def test_argmax_lowers_without_the_cpu_target_for_gpu():
+    """Lowered for CUDA from this host, the pick is XLA's reductions, no CPU custom call."""
+    x = jnp.zeros((4, 100), jnp.float32)
+    text = jax.jit(kernels.cpu.argmax).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jattn_cpu_argmax" not in text and "stablehlo.reduce" in text
+
+
+@needs_kernel
+def test_argmax_inside_a_differentiated_function_is_a_constant_like_jnp_argmax():
+    """A loss that picks with the kernel differentiates as with ``jnp.argmax`` (the pick
+    contributes nothing), in reverse and forward mode, through a jit, the kernel still
+    called: the call itself has no derivative rule."""
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 40)), jnp.float32)
+
+    def loss(pick):
+        return lambda x: jnp.sum(x * jax.nn.one_hot(pick(x), x.shape[-1]) * x)
+
+    ours, ref = loss(kernels.cpu.argmax), loss(partial(jnp.argmax, axis=-1))
+    for transform in (jax.grad, jax.jacfwd, lambda f: jax.hessian(jax.jit(f))):
+        np.testing.assert_array_equal(transform(ours)(x), transform(ref)(x))
+    assert "jattn_cpu_argmax" in jax.jit(jax.grad(ours)).lower(x).as_text()

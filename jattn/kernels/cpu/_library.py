@@ -1,7 +1,7 @@
 """Loading the compiled kernel library and registering its FFI targets with jax.
 
 The library (``_jattn_cpu*.so``, built by ``pip install`` from ``csrc/``, see ``setup.py``)
-is loaded with :mod:`ctypes` on first use and its three handlers are registered with
+is loaded with :mod:`ctypes` on first use and its four handlers are registered with
 ``jax.ffi.register_ffi_target(..., platform="cpu")``. When it is missing (jattn was
 installed where no C++ compiler was found) or fails to load, :func:`status` says why and
 jattn keeps its XLA paths.
@@ -18,6 +18,7 @@ import jax
 FORWARD_TARGET = "jattn_cpu_attention_forward"
 BACKWARD_TARGET = "jattn_cpu_attention_backward"
 PAGED_TARGET = "jattn_cpu_paged_attention"
+ARGMAX_TARGET = "jattn_cpu_argmax"
 _HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -35,6 +36,7 @@ class Library:
             (FORWARD_TARGET, lib.JattnCpuAttentionForward),
             (BACKWARD_TARGET, lib.JattnCpuAttentionBackward),
             (PAGED_TARGET, lib.JattnCpuPagedAttention),
+            (ARGMAX_TARGET, lib.JattnCpuArgmax),
         ):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
         self._lib = lib  # keeps the handlers alive
