@@ -482,12 +482,7 @@ def _forward_kernel(spec: C.Spec, names, *refs):
 
         interior = _interior(spec, row0, bq, col0, bk, q_len, kv_len)
         state = None if r.fwd_states is None else r.fwd_states[i, j]
-        if spec.segments and state is None:
-            seen = _any(q_seg == kv_seg)
-            return lax.cond(
-                seen, lambda c: _visit(spec, step, c, interior, None), lambda c: c, carry
-            )
-        return _visit(spec, step, carry, interior, state)
+        return _visit_tile(spec, step, carry, interior, state, q_seg, kv_seg)
 
     lo, hi = _key_range(spec, row0, bq, bk, q_len, kv_len)
     m, total, acc = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
@@ -775,10 +770,7 @@ def _dq_kernel(spec: C.Spec, names, *refs):
 
         interior = _interior(spec, row0, bq, col0, bk, q_len, kv_len)
         state = None if r.bwd_states is None else r.bwd_states[i, j]
-        if spec.segments and state is None:
-            seen = _any(q_seg == kv_seg)
-            return lax.cond(seen, lambda c: _visit(spec, step, c, interior, None), lambda c: c, dq)
-        return _visit(spec, step, dq, interior, state)
+        return _visit_tile(spec, step, dq, interior, state, q_seg, kv_seg)
 
     lo, hi = _key_range(spec, row0, bq, bk, q_len, kv_len)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, spec.head_dim), jnp.float32))
