@@ -334,16 +334,19 @@ def _check_chunk(cache: PagedKVCache, key, value, num_new) -> tuple[Array, Array
                 f"pages of {page_size(cache)} positions. Pass a wider page_table."
             )
         if _checks.is_host_value(cache.page_table):
-            _check_allocated(cache, lengths.reshape(-1), n.reshape(-1))
-            _check_overwrites(cache, lengths.reshape(-1), n.reshape(-1))
+            lengths, n = lengths.reshape(-1), n.reshape(-1)
+            table = np.asarray(cache.page_table).reshape(lengths.size, -1)  # [rows, P]
+            _check_allocated(cache, table, lengths, n)
+            _check_overwrites(cache, table, lengths, n)
     return key, value, num_new
 
 
-def _check_allocated(cache: PagedKVCache, lengths: np.ndarray, num_new: np.ndarray) -> None:
+def _check_allocated(
+    cache: PagedKVCache, table: np.ndarray, lengths: np.ndarray, num_new: np.ndarray
+) -> None:
     """A ValueError where a chunk's real token would land on an unallocated page (eager:
     under jit such a token is dropped, and its row's length still counts it)."""
     size, num_pages = page_size(cache), cache.k_pages.shape[0]
-    table = np.asarray(cache.page_table).reshape(lengths.size, -1)
     for row, (start, n) in enumerate(zip(lengths, num_new, strict=True)):
         index = np.arange(start // size, pages_needed(start + n, size)) if n else []
         missing = [int(i) for i in index if not 0 <= table[row, i] < num_pages]
@@ -356,13 +359,14 @@ def _check_allocated(cache: PagedKVCache, lengths: np.ndarray, num_new: np.ndarr
             )
 
 
-def _check_overwrites(cache: PagedKVCache, lengths: np.ndarray, num_new: np.ndarray) -> None:
+def _check_overwrites(
+    cache: PagedKVCache, table: np.ndarray, lengths: np.ndarray, num_new: np.ndarray
+) -> None:
     """A ValueError where a chunk's token would land on a slot of the pool that another
     position holds after the chunk, its own row's or another's (eager: under jit the
     writes race, and rows read each other's tokens). Pages shared between rows are
     read-only; only the pages this chunk writes are looked at."""
-    size = page_size(cache)
-    table = np.asarray(cache.page_table).reshape(lengths.size, -1).astype(np.int64)
+    size, table = page_size(cache), table.astype(np.int64)
     end = lengths.astype(np.int64) + num_new  # positions each row holds after the chunk
     first, last = lengths // size, -(-end // size)  # written pages' table columns: [first, last)
     column = np.arange(table.shape[1])
