@@ -9,6 +9,9 @@ Checks that read *values* (not shapes) run only on concrete host-side values (Py
 numbers, numpy arrays): reading a device array's values would block on a device-to-host
 copy at every eager call on GPU/TPU. Device arrays and tracers pass through unchecked;
 the traced alternatives are ``jax.experimental.checkify`` and :func:`jattn.kvcache.fits`.
+Where a wrong value would silently change every answer (the sequence boundaries of
+:func:`jattn.varlen_attention`), :func:`nan_unless` makes the output NaN instead
+and reports the error under ``checkify``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from jattn import _util
 
@@ -122,15 +126,30 @@ def int_array(x, name: str, shape: tuple[int, ...] | None = None, what: str = ""
 
 def is_host_value(x) -> bool:
     """True for values that can be read without a device-to-host copy: Python numbers and
-    sequences, numpy arrays, and concrete jax arrays that live on CPU devices."""
-    if isinstance(x, (numbers.Number, np.ndarray, np.generic, list, tuple)):
+    sequences of them, numpy arrays, and concrete jax arrays that live on CPU devices (a
+    list of traced scalars is traced)."""
+    if isinstance(x, (numbers.Number, np.ndarray, np.generic)):
         return True
+    if isinstance(x, (list, tuple)):
+        return all(is_host_value(item) for item in x)
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         try:
             return all(d.platform == "cpu" for d in x.devices())
         except Exception:  # e.g. a deleted or not fully addressable array
             return False
     return False
+
+
+def nan_unless(ok: Array, message: str) -> Array:
+    """The traced counterpart of a value check that could not read its values (a tracer,
+    or a device array off CPU): a float32 scalar, 1 where the traced bool ``ok`` holds and
+    NaN otherwise, for the caller to multiply its inputs and output by, so that a mistake
+    the values reveal never returns numbers (the output and every gradient NaN; times 1,
+    the valid call's numbers are unchanged, bit for bit). Under
+    ``jax.experimental.checkify.checkify`` the call reports ``message`` (a
+    ``checkify.debug_check``, free otherwise)."""
+    checkify.debug_check(ok, message.replace("{", "{{").replace("}", "}}"))
+    return jnp.where(ok, np.float32(1), np.float32(np.nan))
 
 
 def in_range(x, name: str, low: int, high: int, hint: str = "") -> None:

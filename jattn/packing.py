@@ -250,11 +250,17 @@ def _check_cu_seqlens(cu, name: str, total: int) -> Array:
     if _checks.is_host_value(cu):
         c = np.asarray(cu)
         if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] > total:
-            raise ValueError(
-                f"{name} must start at 0, never decrease and end at most at the token count "
-                f"({total}), got {c.tolist()}."
-            )
+            raise ValueError(f"{_cu_rule(name, total)}, got {c.tolist()}.")
     return cu.astype(jnp.int32)
+
+
+def _cu_rule(name: str, total: int) -> str:
+    return f"{name} must start at 0, never decrease and end at most at the token count ({total})"
+
+
+def _cu_ok(cu: Array, total: int) -> Array:
+    """The traced form of :func:`_check_cu_seqlens`' value check: a bool scalar."""
+    return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] <= total)
 
 
 def _same_values(a: Array, b: Array) -> bool:
@@ -273,6 +279,28 @@ def _segments(cu: Array, total: int, padding_id: int) -> tuple[Array, Array]:
     seg = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
     seg_c = jnp.minimum(seg, cu.shape[0] - 2)
     return jnp.where(t < cu[-1], seg, padding_id), t - cu[seg_c]
+
+
+def _traced_check(given_q, cu_q: Array, given_k, cu_k: Array, total_q: int, total_k: int):
+    """The value checks :func:`_check_cu_seqlens` could not run, in the program: a scalar
+    to multiply the inputs and output by (1, or NaN for wrong cu_seqlens); None when
+    every value was checked on the host."""
+    ok, names = jnp.bool_(True), []
+    for name, given, cu, total in (
+        ("cu_seqlens_q", given_q, cu_q, total_q),
+        ("cu_seqlens_k", given_k, cu_k, total_k),
+    ):
+        if given is not None and not _checks.is_host_value(given):
+            ok, names = ok & _cu_ok(cu, total), [*names, _cu_rule(name, total)]
+    if not names:
+        return None
+    return _checks.nan_unless(ok, f"varlen_attention: {' and '.join(names)} (the output is NaN).")
+
+
+def _times(x, factor: Array):
+    """``x * factor`` in x's float dtype (non-float x is left for the entry's check)."""
+    x = jnp.asarray(x)
+    return x * factor.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def varlen_attention(
@@ -323,9 +351,12 @@ def varlen_attention(
 
     Raises:
       ValueError: inputs that are not ``[total, heads, head_dim]``, ``cu_seqlens`` that are
-        not 1-D, do not start at 0, decrease, end past the token count (checked when
-        concrete) or differ in the number of sequences; a window with ``cu_seqlens_k``;
-        anything :func:`jattn.dot_product_attention` rejects.
+        not 1-D, do not start at 0, decrease, end past the token count or differ in the
+        number of sequences; a window with ``cu_seqlens_k``; anything
+        :func:`jattn.dot_product_attention` rejects. ``cu_seqlens`` whose values cannot be
+        read (traced under ``jax.jit``, or on an accelerator) are checked in the program:
+        wrong ones make the whole output NaN, and its gradients, and under
+        ``jax.experimental.checkify.checkify`` the call reports this error.
       TypeError: non-integer ``cu_seqlens``, non-float inputs.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -367,6 +398,9 @@ def varlen_attention(
             "cannot take). Use implementation=None, 'blockwise' or 'dense'; for "
             "self-attention leave cu_seqlens_k out."
         )
+    factor = _traced_check(cu_seqlens_q, cu_q, cu_seqlens_k, cu_k, total_q, total_k)
+    if factor is not None:
+        query, key, value = (_times(x, factor) for x in (query, key, value))
     q_seg, q_local = _segments(cu_q, total_q, -1)
     kv_seg, kv_local = _segments(cu_k, total_k, -2)  # padding queries and keys never meet
     mask_mod = None
@@ -391,4 +425,4 @@ def varlen_attention(
         precision=precision,
         implementation=implementation,
     )
-    return out[0]
+    return out[0] if factor is None else _times(out[0], factor)

@@ -190,6 +190,55 @@ def test_bad_varlen_input_is_a_clear_error(kwargs, error, match):
         jattn.varlen_attention(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("which", ["q", "k"])
+@pytest.mark.parametrize(
+    "bad", [[1, 4, 11], [0, 11, 4], [0, 4, 17]], ids=["start", "decreasing", "past_end"]
+)
+def test_traced_cu_seqlens_that_are_wrong_give_nan_and_the_error_under_checkify(bad, which):
+    """Under jit the values cannot be read at the entry: the program checks them, and wrong
+    ones make the output and every gradient NaN (never plausible numbers); checkify reports
+    the eager call's error. Right ones give the numbers of a call with concrete values."""
+    from jax.experimental import checkify
+
+    good = np.array([0, 6, 16])
+    q, k, v = _qkv(16, 16, h=2, kh=2, d=4)
+
+    def f(q, k, v, cu):
+        pair = (
+            dict(cu_seqlens_q=cu, cu_seqlens_k=good)
+            if which == "q"
+            else dict(cu_seqlens_q=good, cu_seqlens_k=cu)
+        )
+        return jattn.varlen_attention(q, k, v, is_causal=True, **pair)
+
+    loss = jax.jit(lambda q, k, v, cu: jnp.sum(jnp.sin(f(q, k, v, cu))))
+    out, grads = jax.jit(f)(q, k, v, np.array(bad)), jax.grad(loss, (0, 1, 2))(q, k, v, bad)
+    assert np.isnan(out).all() and all(np.isnan(g).all() for g in grads)
+    err, _ = checkify.checkify(jax.jit(f))(q, k, v, np.array(bad))
+    with pytest.raises(checkify.JaxRuntimeError, match=f"cu_seqlens_{which} must start at 0"):
+        err.throw()
+    with pytest.raises(ValueError, match=f"cu_seqlens_{which} must start at 0"):
+        f(q, k, v, np.array(bad))  # eager: the entry reads the values
+
+    constant = jax.jit(lambda q, k, v: f(q, k, v, good))  # read at the entry, not traced
+    np.testing.assert_array_equal(jax.jit(f)(q, k, v, good), constant(q, k, v))
+    grads = jax.grad(loss, (0, 1, 2))(q, k, v, good)
+    want = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(constant(q, k, v))), (0, 1, 2))(q, k, v)
+    for g, ref in zip(grads, want, strict=True):
+        np.testing.assert_array_equal(g, ref)
+    assert checkify.checkify(jax.jit(f))(q, k, v, good)[0].get() is None
+
+
+def test_vmapped_cu_seqlens_poison_only_the_wrong_rows():
+    q, k, v = _qkv(12, 12, h=2, kh=2, d=4)
+    cus = np.array([[0, 5, 12], [0, 7, 5], [0, 3, 9]])  # the middle one decreases
+    out = jax.vmap(lambda cu: jattn.varlen_attention(q, k, v, cu_seqlens_q=cu))(cus)
+    assert np.isnan(out[1]).all()
+    for i in (0, 2):
+        want = jattn.varlen_attention(q, k, v, cu_seqlens_q=cus[i])
+        np.testing.assert_allclose(out[i], want, atol=1e-6)
+
+
 def test_unpack_takes_nested_lists():
     packed = jattn.pack(SEQS, 6)
     values = np.arange(2 * 6).reshape(2, 6)
