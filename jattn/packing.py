@@ -250,12 +250,11 @@ def _check_cu_seqlens(cu, name: str, total: int) -> Array:
     if _checks.is_host_value(cu):
         c = np.asarray(cu)
         if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] > total:
-            raise ValueError(f"{_cu_rule(name, total)}, got {c.tolist()}.")
+            raise ValueError(
+                f"{name} must start at 0, never decrease and end at most at the token count "
+                f"({total}), got {c.tolist()}."
+            )
     return cu.astype(jnp.int32)
-
-
-def _cu_rule(name: str, total: int) -> str:
-    return f"{name} must start at 0, never decrease and end at most at the token count ({total})"
 
 
 def _cu_ok(cu: Array, total: int) -> Array:
@@ -285,16 +284,11 @@ def _traced_check(given_q, cu_q: Array, given_k, cu_k: Array, total_q: int, tota
     """The value checks :func:`_check_cu_seqlens` could not run, in the program: a scalar
     to multiply the inputs and output by (1, or NaN for wrong cu_seqlens); None when
     every value was checked on the host."""
-    ok, names = jnp.bool_(True), []
-    for name, given, cu, total in (
-        ("cu_seqlens_q", given_q, cu_q, total_q),
-        ("cu_seqlens_k", given_k, cu_k, total_k),
-    ):
+    ok = None
+    for given, cu, total in ((given_q, cu_q, total_q), (given_k, cu_k, total_k)):
         if given is not None and not _checks.is_host_value(given):
-            ok, names = ok & _cu_ok(cu, total), [*names, _cu_rule(name, total)]
-    if not names:
-        return None
-    return _checks.nan_unless(ok, f"varlen_attention: {' and '.join(names)} (the output is NaN).")
+            ok = _cu_ok(cu, total) if ok is None else ok & _cu_ok(cu, total)
+    return None if ok is None else _checks.nan_unless(ok)
 
 
 def _times(x, factor: Array):
@@ -355,8 +349,8 @@ def varlen_attention(
         number of sequences; a window with ``cu_seqlens_k``; anything
         :func:`jattn.dot_product_attention` rejects. ``cu_seqlens`` whose values cannot be
         read (traced under ``jax.jit``, or on an accelerator) are checked in the program:
-        wrong ones make the whole output NaN, and its gradients, and under
-        ``jax.experimental.checkify.checkify`` the call reports this error.
+        wrong ones make the whole output NaN, and its gradients; an eager call with the
+        same values names the mistake.
       TypeError: non-integer ``cu_seqlens``, non-float inputs.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
