@@ -386,7 +386,8 @@ def apply_rope(x, cos, sin, *, positions=None) -> Array:
             f"{x.shape}), got {positions.shape}."
         )
     if not isinstance(positions, jax.core.Tracer) and positions.size:
-        lo, hi = int(positions.min()), int(positions.max())
+        values = np.asarray(positions)  # numpy: under jit a concrete array's min is traced
+        lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= table_len:
             raise ValueError(
                 f"positions must be in [0, {table_len}) (the rows of the cos/sin tables), got "

@@ -790,3 +790,22 @@ def test_the_books_full_size_configs_parse():
     )
     with pytest.raises(ValueError, match="mixture-of-experts"):
         models.config_from_book("qwen3", qwen3.QWEN3_CONFIG_30B_A3B)
+
+
+@pytest.mark.parametrize("name,cfg", [("gpt2", GPT_CFG), ("llama3", LLAMA_CFG)])
+def test_concrete_arrays_closed_over_in_a_jitted_function_are_read_and_checked(name, cfg):
+    """Arrays a jitted function closes over are concrete: the entries read their values
+    with numpy (jnp.min inside the trace is traced, and int() of it was a
+    ConcretizationTypeError) and check them as in an eager call."""
+    model = models.from_book(name, cfg, random_state_dict(name, cfg, 0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg["vocab_size"], (2, 8)))
+    positions, at = jnp.asarray(np.arange(8)[None].repeat(2, 0)), jnp.asarray([3, 7])
+    got = nnx.jit(lambda m: m(tokens, positions=positions, logits_at=at))(model)
+    np.testing.assert_allclose(got, model(tokens, logits_at=at), atol=1e-5)
+    for kwargs, match in (
+        (dict(token_ids=tokens.at[0, 0].set(cfg["vocab_size"])), "token_ids must be in"),
+        (dict(token_ids=tokens, positions=positions.at[0, 0].set(-1)), "positions must be in"),
+        (dict(token_ids=tokens, logits_at=at.at[0].set(8)), "logits_at must be in"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            nnx.jit(lambda m, kwargs=kwargs: m(**kwargs))(model)

@@ -139,6 +139,49 @@ def test_bad_packed_arguments_are_a_clear_error(kwargs, error, match):
         model(np.zeros((2, 16), np.int32), **kwargs)
 
 
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_traced_segment_ids_that_come_back_give_nan_logits_and_gradients(name):
+    """In a jitted training step the ids are traced and the entry cannot read them: the
+    program checks them, and a row that comes back to a document after another (without
+    positions=) makes the logits and the gradients NaN, where an eager call raises. Ids
+    that never come back (in any order: 2 before 1 is fine) give the bits of a call that
+    read them at the entry; with positions= given the same row is fine."""
+    cfg = CFGS[name]
+    model = models.from_book(name, cfg, random_state_dict(name, cfg, 0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 16)), jnp.int32)
+    back = np.repeat([[1, 2, 1, 0], [2, 2, 1, 1]], 4, axis=1)  # row 0 comes back to 1
+    good = np.repeat([[1, 2, 3, 0], [2, 2, 1, 1]], 4, axis=1)
+
+    def loss(model, seg, positions=None):
+        logits = model(tokens, segment_ids=seg, positions=positions)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    step = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    (_, logits), grads = step(model, jnp.asarray(back))
+    assert np.isnan(logits).all()
+    read = {  # the embedding rows the batch reads (the others' gradients are 0, rightly)
+        "tok_emb": np.unique(tokens),
+        "pos_emb": np.unique(jattn.positions_from_segment_ids(back)),
+    }
+    for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param)):
+        table = next((k for k in read if k in jax.tree_util.keystr(path)), None)
+        assert np.isnan(g if table is None else g[read[table]]).all(), path
+    with pytest.raises(ValueError, match="comes back to document 1"):
+        model(tokens, segment_ids=back)
+
+    (_, logits), grads = step(model, jnp.asarray(good))
+    (_, want), want_grads = nnx.jit(nnx.value_and_grad(lambda m: loss(m, good), has_aux=True))(
+        model
+    )  # the ids read at the entry
+    np.testing.assert_array_equal(logits, want)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_array_equal(g, ref)
+
+    positions = jnp.asarray(jattn.positions_from_segment_ids(back))
+    (_, logits), _ = step(model, jnp.asarray(back), positions)
+    assert np.isfinite(logits).all()
+
+
 def test_a_document_split_in_two_runs_with_explicit_positions_is_one_document():
     """With positions= given, ids are read as attention reads them: document 1 in two
     runs, positions continuing across the gap, equals document 1 alone."""

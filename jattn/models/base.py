@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jattn import packing, rope
+from jattn import _checks, packing, rope
 
 __all__ = ["LanguageModel"]
 
@@ -25,12 +25,17 @@ Array = jax.Array
 RngsArg = nnx.Rngs | nnx.RngStream | jax.Array | None
 
 
-def _check_runs(name: str, segment_ids: Array) -> None:
+def _check_runs(name: str, segment_ids: Array) -> Array | None:
     """Concrete ids: a ValueError where a row comes back to a document's id after another
     document. Attention joins equal ids wherever they stand, while the default positions
-    restart at each run (:func:`jattn.positions_from_segment_ids`): the two would disagree."""
+    restart at each run (:func:`jattn.positions_from_segment_ids`): the two would disagree.
+    Traced ids (a jitted training step): the check in the program, as a factor for the
+    embeddings (:func:`jattn._checks.nan_unless`: 1, or NaN when a row comes back)."""
     if isinstance(segment_ids, jax.core.Tracer):
-        return
+        # no id comes back when each row has as many runs of equal ids as distinct ids
+        runs = jnp.sum(segment_ids[..., 1:] != segment_ids[..., :-1], axis=-1)
+        ids = jnp.sort(segment_ids, axis=-1)
+        return _checks.nan_unless(jnp.all(runs == jnp.sum(ids[..., 1:] != ids[..., :-1], -1)))
     ids = np.asarray(segment_ids).reshape(-1, segment_ids.shape[-1])
     for r, row in enumerate(ids):
         starts = np.concatenate([[0], np.flatnonzero(row[1:] != row[:-1]) + 1])
@@ -43,6 +48,7 @@ def _check_runs(name: str, segment_ids: Array) -> None:
                 "stand, while the default positions restart at each run. Give each document "
                 "its own id (jattn.pack does), or pass positions= explicitly."
             )
+    return None
 
 
 class LanguageModel(nnx.Module):
@@ -99,7 +105,9 @@ class LanguageModel(nnx.Module):
                 f"last {cfg.context_length} tokens (the book's idx[:, -context_size:])."
             )
         if not isinstance(token_ids, jax.core.Tracer) and token_ids.size:
-            lo, hi = int(np.min(token_ids)), int(np.max(token_ids))
+            # numpy: under jit a concrete (closed-over) array's jnp.min would be traced
+            ids = np.asarray(token_ids)
+            lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= cfg.vocab_size:
                 raise ValueError(
                     f"{name}: token_ids must be in [0, {cfg.vocab_size}) (cfg['vocab_size']), got "
@@ -113,7 +121,11 @@ class LanguageModel(nnx.Module):
         ``positions`` default: with ``segment_ids``, each token's position in its document
         (:func:`jattn.positions_from_segment_ids`), else ``0 ... T-1``; in decode mode
         neither may be given (positions follow the cache). Both come back broadcast to
-        ``token_ids.shape`` (``segment_ids`` None when not given).
+        ``token_ids.shape`` (``segment_ids`` None when not given), with ``factor``: None,
+        or for traced ``segment_ids`` without ``positions`` (a jitted training step, where
+        the ids cannot be read) the float32 scalar to multiply the embeddings by: 1, or
+        NaN when a row comes back to a document's id (the logits and the gradients NaN
+        then, where an eager call raises).
 
         Raises:
           TypeError: non-integer ids or positions.
@@ -130,7 +142,7 @@ class LanguageModel(nnx.Module):
                     "scoring packed rows); with decode=True positions follow each row's KV "
                     "cache and a row holds one sequence."
                 )
-            return None, None
+            return None, None, None
         checked = []
         for arg, value in (("segment_ids", segment_ids), ("positions", positions)):
             if value is None:
@@ -151,8 +163,9 @@ class LanguageModel(nnx.Module):
                 )
             checked.append(jnp.broadcast_to(value, shape).astype(jnp.int32))
         segment_ids, positions = checked
+        factor = None
         if positions is None and segment_ids is not None:
-            _check_runs(name, segment_ids)
+            factor = _check_runs(name, segment_ids)
         if positions is None:
             positions = (
                 jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
@@ -160,7 +173,8 @@ class LanguageModel(nnx.Module):
                 else packing.positions_from_segment_ids(segment_ids)
             )
         elif not isinstance(positions, jax.core.Tracer):
-            lo, hi = int(np.min(positions)), int(np.max(positions))
+            values = np.asarray(positions)  # numpy, as for token_ids
+            lo, hi = int(values.min()), int(values.max())
             top = self.cfg.context_length - 1 if self.positions_limited else None
             if lo < 0 or (top is not None and hi > top):
                 raise ValueError(
@@ -168,7 +182,12 @@ class LanguageModel(nnx.Module):
                     + (" (the rows of pos_emb)" if top is not None else "")
                     + f", got values from {lo} to {hi}."
                 )
-        return segment_ids, positions
+        return segment_ids, positions, factor
+
+    @staticmethod
+    def times(x: Array, factor: Array | None) -> Array:
+        """``x * factor`` in x's dtype (``factor`` from :meth:`packed_layout`; None: x)."""
+        return x if factor is None else x * factor.astype(x.dtype)
 
     def logits(self, x: Array, token_ids: Array, logits_at) -> Array:
         """The output head: ``final_norm`` then ``out_head`` of ``x [batch..., T, emb_dim]``,
@@ -196,7 +215,8 @@ class LanguageModel(nnx.Module):
                 f"token_ids {token_ids.shape}), got shape {logits_at.shape}."
             )
         if not isinstance(logits_at, jax.core.Tracer) and logits_at.size:
-            lo, hi = int(np.min(logits_at)), int(np.max(logits_at))
+            values = np.asarray(logits_at)  # numpy, as for token_ids
+            lo, hi = int(values.min()), int(values.max())
             if lo < 0 or hi >= t:
                 raise ValueError(
                     f"{name}: logits_at must be in [0, {t}) (positions of the {t} tokens), got "
@@ -302,7 +322,7 @@ class LanguageModel(nnx.Module):
         lengths = self.cache_lengths()
         context = self.cfg.context_length
         if not isinstance(lengths, jax.core.Tracer) and lengths.size:
-            end = int(np.max(lengths)) + num_tokens
+            end = int(np.asarray(lengths).max()) + num_tokens  # numpy, as for token_ids
             if end > context:
                 raise ValueError(
                     f"{type(self).__name__}: a chunk of {num_tokens} tokens after rows holding "

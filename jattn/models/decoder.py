@@ -183,11 +183,13 @@ class RopeDecoder(LanguageModel):
         """
         del deterministic, rngs  # no dropout in Llama 3 / Qwen3
         token_ids = self.check_token_ids(token_ids)
-        segment_ids, positions = self.packed_layout(token_ids, segment_ids, positions, decode)
+        segment_ids, positions, factor = self.packed_layout(
+            token_ids, segment_ids, positions, decode
+        )
         if decode:
             self.cache_lengths()  # a clear error when there is no cache
         # [batch..., T, emb_dim]
-        x = self.tok_emb(token_ids)
+        x = self.times(self.tok_emb(token_ids), factor)
         for block in self.trf_blocks:
             x = block(
                 x, decode=decode, num_new=num_new, segment_ids=segment_ids, positions=positions

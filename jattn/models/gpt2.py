@@ -178,11 +178,13 @@ class GPTModel(LanguageModel):
         """
         token_ids = self.check_token_ids(token_ids)
         deterministic, rngs = self.dropout_mode(deterministic, rngs, self.cfg.drop_rate)
-        segment_ids, positions = self.packed_layout(token_ids, segment_ids, positions, decode)
+        segment_ids, positions, factor = self.packed_layout(
+            token_ids, segment_ids, positions, decode
+        )
         if decode:
             positions = self.decode_positions(token_ids.shape[-1])  # [batch..., T]
         # [batch..., T, emb_dim]
-        x = self.tok_emb(token_ids) + self.pos_emb(positions)
+        x = self.times(self.tok_emb(token_ids) + self.pos_emb(positions), factor)
         x = self.drop_emb(x, deterministic=deterministic, rngs=rngs)
         for block in self.trf_blocks:
             x = block(
