@@ -280,6 +280,52 @@ def _segments(cu: Array, total: int, padding_id: int) -> tuple[Array, Array]:
     return jnp.where(t < cu[-1], seg, padding_id), t - cu[seg_c]
 
 
+def _check_varlen(
+    query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, local_window_size, implementation
+) -> tuple[Array, Array, bool]:
+    """:func:`varlen_attention`'s own checks: ``(cu_q, cu_k, self_attention)``."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if jnp.ndim(x) != 3:
+            raise ValueError(
+                f"varlen_attention: {name} must be [total_tokens, heads, head_dim] (the "
+                f"sequences concatenated, FlashAttention's varlen layout), got shape "
+                f"{jnp.shape(x)}. For batched [batch, T, heads, head_dim] inputs use "
+                "jattn.dot_product_attention with query_segment_ids."
+            )
+    total_q, total_k = jnp.shape(query)[0], jnp.shape(key)[0]
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
+    self_attention = cu_seqlens_k is None
+    cu_k = cu_q if self_attention else _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
+    if cu_k.shape != cu_q.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"shapes {cu_q.shape} and {cu_k.shape}."
+        )
+    if not self_attention and total_q == total_k and _same_values(cu_seqlens_q, cu_seqlens_k):
+        self_attention = True  # FlashAttention's habit: cu_seqlens_q passed for both
+    if self_attention and total_q != total_k:
+        raise ValueError(
+            f"query has {total_q} tokens and key {total_k}: pass cu_seqlens_k for the keys "
+            "(cu_seqlens_q stands for both only when they are the same tokens)."
+        )
+    if local_window_size is not None and not self_attention:
+        raise ValueError(
+            "local_window_size needs self-attention (cu_seqlens_k not given, or equal to "
+            "cu_seqlens_q): a window over "
+            "the concatenated tokens is a window per sequence only when queries and keys are "
+            "the same tokens."
+        )
+    _checks.flag(is_causal, "is_causal")
+    if is_causal and not self_attention and implementation in _util.KERNELS:
+        raise ValueError(
+            f"varlen_attention: implementation={implementation!r} cannot run causal attention "
+            "with cu_seqlens_k (aligned bottom-right per sequence, a mask function the kernel "
+            "cannot take). Use implementation=None, 'blockwise' or 'dense'; for "
+            "self-attention leave cu_seqlens_k out."
+        )
+    return cu_q, cu_k, self_attention
+
+
 def _traced_check(given_q, cu_q: Array, given_k, cu_k: Array, total_q: int, total_k: int):
     """The value checks :func:`_check_cu_seqlens` could not run, in the program: a scalar
     to multiply the inputs and output by (1, or NaN for wrong cu_seqlens); None when
@@ -353,45 +399,11 @@ def varlen_attention(
         same values names the mistake.
       TypeError: non-integer ``cu_seqlens``, non-float inputs.
     """
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if jnp.ndim(x) != 3:
-            raise ValueError(
-                f"varlen_attention: {name} must be [total_tokens, heads, head_dim] (the "
-                f"sequences concatenated, FlashAttention's varlen layout), got shape "
-                f"{jnp.shape(x)}. For batched [batch, T, heads, head_dim] inputs use "
-                "jattn.dot_product_attention with query_segment_ids."
-            )
+    cu_q, cu_k, self_attention = _check_varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, local_window_size,
+        implementation,
+    )  # fmt: skip
     total_q, total_k = jnp.shape(query)[0], jnp.shape(key)[0]
-    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q)
-    self_attention = cu_seqlens_k is None
-    cu_k = cu_q if self_attention else _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k)
-    if cu_k.shape != cu_q.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"shapes {cu_q.shape} and {cu_k.shape}."
-        )
-    if not self_attention and total_q == total_k and _same_values(cu_seqlens_q, cu_seqlens_k):
-        self_attention = True  # FlashAttention's habit: cu_seqlens_q passed for both
-    if self_attention and total_q != total_k:
-        raise ValueError(
-            f"query has {total_q} tokens and key {total_k}: pass cu_seqlens_k for the keys "
-            "(cu_seqlens_q stands for both only when they are the same tokens)."
-        )
-    if local_window_size is not None and not self_attention:
-        raise ValueError(
-            "local_window_size needs self-attention (cu_seqlens_k not given, or equal to "
-            "cu_seqlens_q): a window over "
-            "the concatenated tokens is a window per sequence only when queries and keys are "
-            "the same tokens."
-        )
-    _checks.flag(is_causal, "is_causal")
-    if is_causal and not self_attention and implementation in _util.KERNELS:
-        raise ValueError(
-            f"varlen_attention: implementation={implementation!r} cannot run causal attention "
-            "with cu_seqlens_k (aligned bottom-right per sequence, a mask function the kernel "
-            "cannot take). Use implementation=None, 'blockwise' or 'dense'; for "
-            "self-attention leave cu_seqlens_k out."
-        )
     factor = _traced_check(cu_seqlens_q, cu_q, cu_seqlens_k, cu_k, total_q, total_k)
     if factor is not None:
         query, key, value = (_times(x, factor) for x in (query, key, value))
