@@ -189,7 +189,7 @@ class RopeDecoder(LanguageModel):
         if decode:
             self.cache_lengths()  # a clear error when there is no cache
         # [batch..., T, emb_dim]
-        x = self.times(self.tok_emb(token_ids), factor)
+        x = self.apply_layout_check(self.tok_emb(token_ids), factor)
         for block in self.trf_blocks:
             x = block(
                 x, decode=decode, num_new=num_new, segment_ids=segment_ids, positions=positions

@@ -184,7 +184,7 @@ class GPTModel(LanguageModel):
         if decode:
             positions = self.decode_positions(token_ids.shape[-1])  # [batch..., T]
         # [batch..., T, emb_dim]
-        x = self.times(self.tok_emb(token_ids) + self.pos_emb(positions), factor)
+        x = self.apply_layout_check(self.tok_emb(token_ids) + self.pos_emb(positions), factor)
         x = self.drop_emb(x, deterministic=deterministic, rngs=rngs)
         for block in self.trf_blocks:
             x = block(
