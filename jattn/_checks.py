@@ -149,6 +149,15 @@ def nan_unless(ok: Array) -> Array:
     return jnp.where(ok, np.float32(1), np.float32(np.nan))
 
 
+def with_factor(x, factor: Array | None):
+    """``x`` times a :func:`nan_unless` factor, in x's dtype; ``x`` itself for None, or for
+    non-float ``x`` (left for the entry's dtype check)."""
+    if factor is None:
+        return x
+    x = jnp.asarray(x)
+    return x * factor.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
 def in_range(x, name: str, low: int, high: int, hint: str = "") -> None:
     """Raises if a host-side integer array has values outside ``[low, high]``.
 

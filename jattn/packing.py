@@ -337,12 +337,6 @@ def _traced_check(given_q, cu_q: Array, given_k, cu_k: Array, total_q: int, tota
     return None if ok is None else _checks.nan_unless(ok)
 
 
-def _times(x, factor: Array):
-    """``x * factor`` in x's float dtype (non-float x is left for the entry's check)."""
-    x = jnp.asarray(x)
-    return x * factor.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-
 def varlen_attention(
     query,
     key,
@@ -405,8 +399,7 @@ def varlen_attention(
     )  # fmt: skip
     total_q, total_k = jnp.shape(query)[0], jnp.shape(key)[0]
     factor = _traced_check(cu_seqlens_q, cu_q, cu_seqlens_k, cu_k, total_q, total_k)
-    if factor is not None:
-        query, key, value = (_times(x, factor) for x in (query, key, value))
+    query, key, value = (_checks.with_factor(x, factor) for x in (query, key, value))
     q_seg, q_local = _segments(cu_q, total_q, -1)
     kv_seg, kv_local = _segments(cu_k, total_k, -2)  # padding queries and keys never meet
     mask_mod = None
@@ -431,4 +424,4 @@ def varlen_attention(
         precision=precision,
         implementation=implementation,
     )
-    return out[0] if factor is None else _times(out[0], factor)
+    return _checks.with_factor(out[0], factor)

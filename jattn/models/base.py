@@ -123,9 +123,9 @@ class LanguageModel(nnx.Module):
         neither may be given (positions follow the cache). Both come back broadcast to
         ``token_ids.shape`` (``segment_ids`` None when not given), with ``factor``: None,
         or for traced ``segment_ids`` without ``positions`` (a jitted training step, where
-        the ids cannot be read) the float32 scalar :meth:`apply_layout_check` multiplies
-        the embeddings by: 1, or NaN when a row comes back to a document's id (the logits
-        and the gradients NaN then, where an eager call raises).
+        the ids cannot be read) the float32 scalar to multiply the embeddings by
+        (``jattn._checks.with_factor``): 1, or NaN when a row comes back to a document's
+        id (the logits and the gradients NaN then, where an eager call raises).
 
         Raises:
           TypeError: non-integer ids or positions.
@@ -183,13 +183,6 @@ class LanguageModel(nnx.Module):
                     + f", got values from {lo} to {hi}."
                 )
         return segment_ids, positions, factor
-
-    @staticmethod
-    def apply_layout_check(x: Array, factor: Array | None) -> Array:
-        """The embeddings ``x`` times the ``factor`` :meth:`packed_layout` returned, in x's
-        dtype (None: ``x`` itself): NaN for traced segment ids that come back to a
-        document, so the logits and gradients are NaN rather than wrong."""
-        return x if factor is None else x * factor.astype(x.dtype)
 
     def logits(self, x: Array, token_ids: Array, logits_at) -> Array:
         """The output head: ``final_norm`` then ``out_head`` of ``x [batch..., T, emb_dim]``,

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jattn import _checks, rope
 from jattn import nnx as jnnx
-from jattn import rope
 from jattn.models.base import LanguageModel, RngsArg
 from jattn.models.layers import GatedFeedForward
 
@@ -189,7 +189,7 @@ class RopeDecoder(LanguageModel):
         if decode:
             self.cache_lengths()  # a clear error when there is no cache
         # [batch..., T, emb_dim]
-        x = self.apply_layout_check(self.tok_emb(token_ids), factor)
+        x = _checks.with_factor(self.tok_emb(token_ids), factor)
         for block in self.trf_blocks:
             x = block(
                 x, decode=decode, num_new=num_new, segment_ids=segment_ids, positions=positions

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jattn import _checks
 from jattn import nnx as jnnx
 from jattn.models.base import LanguageModel, RngsArg
 from jattn.models.configs import GPTConfig, parse_dtype
@@ -184,7 +185,7 @@ class GPTModel(LanguageModel):
         if decode:
             positions = self.decode_positions(token_ids.shape[-1])  # [batch..., T]
         # [batch..., T, emb_dim]
-        x = self.apply_layout_check(self.tok_emb(token_ids) + self.pos_emb(positions), factor)
+        x = _checks.with_factor(self.tok_emb(token_ids) + self.pos_emb(positions), factor)
         x = self.drop_emb(x, deterministic=deterministic, rngs=rngs)
         for block in self.trf_blocks:
             x = block(
