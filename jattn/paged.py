@@ -53,7 +53,9 @@ cache whose slot ``j`` holds position ``j``: the same mask, ``local_window_size`
 ``score_mod``/``mask_mod`` at absolute positions, ``sinks`` and the other
 :func:`jattn.dot_product_attention` keywords, so a paged step equals a contiguous one.
 There is no rolling (modulo-capacity) mode: a paged cache frees memory by pages instead,
-and a sliding window is ``local_window_size``.
+and a sliding window is ``local_window_size=(W, 0)``: once a row holds ``n`` tokens, the
+table entries ``[0, (n - W) // page_size)`` are behind every later query's window and
+may be freed (marked unallocated, their pages given to other rows).
 
 **int8 pages** (``init_paged_cache(..., quantized=True)``): keys and values are stored
 as int8 with one float32 scale per token and head (``max |x| / 127`` over ``head_dim``,

@@ -276,6 +276,46 @@ def test_modifiers_window_and_sinks_equal_contiguous_cache():
     np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
 
 
+def test_pages_behind_a_sliding_window_can_be_freed_and_reused():
+    """A sliding window on pages, as the module's docs say: after each step the pages wholly
+    behind every later query's window are freed (entry -1 or num_pages) and handed to the
+    other row. A pool of 6 pages serves two rows of 8-page tables; every step equals the
+    contiguous cache with the same window, and the last one the float64 reference."""
+    window, steps, pool = 5, 26, 6
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, 3 + steps, batch=2)
+    pc = paged.init_paged_cache(2, pool, PAGE, 8, K, D)
+    cc = kv.init_cache(2, 8 * PAGE, K, D)
+    table, free, held = np.full((2, 8), pool, np.int32), list(range(pool)), np.zeros(2, int)
+    unallocated = (-1, pool)  # row 0 marks freed entries -1, row 1 num_pages
+    opts = dict(local_window_size=(window, 0))
+    contiguous = jax.jit(functools.partial(kv.update_and_attend, **opts))
+    chunks = [(0, 3)] + [(t, t + 1) for t in range(3, 3 + steps)]
+    for lo, hi in chunks:
+        for row in range(2):  # pages for the positions this chunk writes
+            for i in range(held[row] // PAGE, (held[row] + hi - lo - 1) // PAGE + 1):
+                if not 0 <= table[row, i] < pool:
+                    table[row, i] = free.pop()
+        chunk = [x[:, lo:hi] for x in (q, k, v)]
+        po, pc = jit_paged(pc._replace(page_table=jnp.asarray(table)), *chunk, **opts)
+        co, cc = contiguous(cc, *chunk)
+        np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
+        held += hi - lo
+        for row in range(2):  # the next query, at position held, sees [held - window, held]
+            for i in range((held[row] - window) // PAGE):
+                if 0 <= table[row, i] < pool:
+                    free.append(int(table[row, i]))
+                    table[row, i] = unallocated[row]
+    assert len(free) < pool - 1 and held[0] > pool * PAGE  # freed pages were reused
+    kk, vv = (np.asarray(x[:, : 3 + steps]) for x in (k, v))
+    n = 3 + steps
+    visible = np.zeros((1, n), bool)
+    visible[0, n - 1 - window :] = True
+    for row in range(2):
+        want = np_attention(q[row, n - 1 : n], kk[row], vv[row], mask=visible)
+        np.testing.assert_allclose(po[row], want, rtol=2e-5, atol=2e-5)
+
+
 def test_block_list_covers_each_row_in_order_and_pads():
     span = paged.block_size(16)
     want = [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2]]
