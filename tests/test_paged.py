@@ -281,38 +281,36 @@ def test_pages_behind_a_sliding_window_can_be_freed_and_reused():
     behind every later query's window are freed (entry -1 or num_pages) and handed to the
     other row. A pool of 6 pages serves two rows of 8-page tables; every step equals the
     contiguous cache with the same window, and the last one the float64 reference."""
-    window, steps, pool = 5, 26, 6
+    window, n, pool = 5, 29, 6  # a prefill chunk of 3, then 26 decoding steps
     rng = np.random.default_rng(11)
-    q, k, v = qkv(rng, 3 + steps, batch=2)
+    q, k, v = qkv(rng, n, batch=2)
     pc = paged.init_paged_cache(2, pool, PAGE, 8, K, D)
     cc = kv.init_cache(2, 8 * PAGE, K, D)
-    table, free, held = np.full((2, 8), pool, np.int32), list(range(pool)), np.zeros(2, int)
+    table, free = np.full((2, 8), pool, np.int32), list(range(pool))
     unallocated = (-1, pool)  # row 0 marks freed entries -1, row 1 num_pages
     opts = dict(local_window_size=(window, 0))
     contiguous = jax.jit(functools.partial(kv.update_and_attend, **opts))
-    chunks = [(0, 3)] + [(t, t + 1) for t in range(3, 3 + steps)]
-    for lo, hi in chunks:
+    for lo, hi in [(0, 3)] + [(t, t + 1) for t in range(3, n)]:
         for row in range(2):  # pages for the positions this chunk writes
-            for i in range(held[row] // PAGE, (held[row] + hi - lo - 1) // PAGE + 1):
+            for i in range(lo // PAGE, paged.pages_needed(hi, PAGE)):
                 if not 0 <= table[row, i] < pool:
                     table[row, i] = free.pop()
         chunk = [x[:, lo:hi] for x in (q, k, v)]
         po, pc = jit_paged(pc._replace(page_table=jnp.asarray(table)), *chunk, **opts)
         co, cc = contiguous(cc, *chunk)
         np.testing.assert_allclose(po, co, rtol=1e-6, atol=1e-6)
-        held += hi - lo
-        for row in range(2):  # the next query, at position held, sees [held - window, held]
-            for i in range((held[row] - window) // PAGE):
+        for row, held in enumerate(np.asarray(pc.lengths)):
+            for i in range((held - window) // PAGE):  # the next query sees [held - window, held]
                 if 0 <= table[row, i] < pool:
                     free.append(int(table[row, i]))
                     table[row, i] = unallocated[row]
-    assert len(free) < pool - 1 and held[0] > pool * PAGE  # freed pages were reused
-    kk, vv = (np.asarray(x[:, : 3 + steps]) for x in (k, v))
-    n = 3 + steps
+    np.testing.assert_array_equal(pc.lengths, [n, n])
+    # 2 x 29 positions through 6 x 4 slots: free.pop() would have failed without reuse
+    assert len(free) < pool - 1
     visible = np.zeros((1, n), bool)
     visible[0, n - 1 - window :] = True
     for row in range(2):
-        want = np_attention(q[row, n - 1 : n], kk[row], vv[row], mask=visible)
+        want = np_attention(q[row, n - 1 :], np.asarray(k[row]), np.asarray(v[row]), mask=visible)
         np.testing.assert_allclose(po[row], want, rtol=2e-5, atol=2e-5)
 
 
