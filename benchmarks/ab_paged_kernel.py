@@ -12,6 +12,8 @@ the next of four sets of pools (four layers' worth) after reading, untimed, a bu
 the last-level cache: the call's pages are out of the caches whatever the fill, as in a
 model's step where the other layers' weights and pages came between. (Four sets alone are
 not enough at low fills: four calls' pages at 10% of this capacity fit a 32 MiB cache.)
+A cold call also pays what any call pays after other work (on a 2-core VM about 100 us,
+even for a no-op jit): the same for every build, so compare builds, not fills.
 
 Usage (from the repository root)::
 
