@@ -62,11 +62,10 @@ def register(paths: list[str]) -> dict:
 
 def last_level_cache_bytes(default: int = 64 << 20) -> int:
     """The largest CPU cache's size, from Linux's sysfs (``default`` where it is not there)."""
-    sizes = []
+    units, sizes = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}, []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         with open(path) as f:
             text = f.read().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=default)
 
