@@ -24,11 +24,11 @@ Figures, all from one process:
   filled to match; and the contiguous ``KVCache`` step, which attends over its whole
   capacity whatever is filled; and the paged step with one page per row, the part of a
   step that does not follow the tokens held (over the 100% step: the least the 10% /
-  100% ratio can be, whatever the attention costs). Medians of ``--step-repeats`` calls, the
-  candidates in turn: once one call at a time (each call follows another candidate's,
-  with its weights and pages often out of the caches), once in runs of ``BURST``
-  consecutive calls (the first of each run left out), as a serving loop runs one step
-  after another.
+  100% ratio can be with that step as it is; a faster attention raises it). Medians of
+  ``--step-repeats`` calls, the candidates in turn: once one call at a time (each call
+  follows another candidate's, with its weights and pages often out of the caches), once
+  in runs of ``BURST`` consecutive calls (the first of each run left out), as a serving
+  loop runs one step after another.
 * **vs the book.** ``llms_from_scratch.kv_cache_batched`` (Qwen3, PyTorch) generating
   for the same prompts (it takes one ``[batch, T]`` tensor: prompts right-padded to the
   longest, every row ``max(max_new_tokens)`` tokens; ``--book-batch`` rows at a time),
