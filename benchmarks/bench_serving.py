@@ -302,15 +302,15 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     Four candidates per fill: the whole model on paged caches as ``generate_many``'s
     decoding step runs it (``"paged"``: through the fused CPU paged kernel where it runs,
     else over the work list of the key blocks the rows hold; rows filled to 10% or 100% of
-    the capacity) and over a page table 10% or 100% of the
-    capacity wide (``"table"``), the model on contiguous ``KVCache``s (which attend over the
-    whole capacity whatever is filled), and one attention layer alone
-    (``jattn.paged.update_and_attend`` over the page table, the model's head layout); and
-    the ``"paged"`` step with one page per row, the part of a step that does not follow the
-    tokens held (after the 100% one in each round). The lengths stay put between calls
-    (each call rewrites the same position), so every call costs the same. The model's structure is bound once (``partial``) and its state passed
-    as flat leaves, as ``generate_many`` does: a static ``GraphDef`` argument would be
-    hashed on every call, and an ``nnx.State`` flattened.
+    the capacity) and over a page table 10% or 100% of the capacity wide (``"table"``),
+    the model on contiguous ``KVCache``s (which attend over the whole capacity whatever is
+    filled), and one attention layer alone (``jattn.paged.update_and_attend`` over the page
+    table, the model's head layout); and the ``"paged"`` step with one page per row, the
+    part of a step that does not follow the tokens held (after the 100% one in each
+    round). The lengths stay put between calls (each call rewrites the same position), so
+    every call costs the same. The model's structure is bound once (``partial``) and its
+    state passed as flat leaves, as ``generate_many`` does: a static ``GraphDef`` argument
+    would be hashed on every call, and an ``nnx.State`` flattened.
     """
     graphdef, state = nnx.split(model)
     state, treedef = jax.tree.flatten(state)
