@@ -92,8 +92,7 @@ CASES = {
 }
 
 
-# The cross-length causal cases are top-left on purpose (their CausalAlignmentWarning expected).
-@pytest.mark.filterwarnings("ignore::jattn.CausalAlignmentWarning")
+@pytest.mark.top_left  # the cross-length causal cases
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_blockwise_equals_dense_outputs_and_grads(name):
     case = CASES[name]
@@ -142,8 +141,7 @@ def test_unsorted_and_cross_segment_ids():
     assert np.all(np.asarray(out[1]) == 0)
 
 
-# 140 queries, 150 keys: is_causal top-left on purpose (its CausalAlignmentWarning expected)
-@pytest.mark.filterwarnings("ignore::jattn.CausalAlignmentWarning")
+@pytest.mark.top_left  # 140 queries, 150 keys
 @pytest.mark.parametrize("mask_shape", ["full", "broadcast_batch_heads", "key_padding"])
 def test_boolean_mask_arrays(mask_shape):
     q, k, v = _qkv((2,), 140, 150, 4, 2, 8)

@@ -268,8 +268,7 @@ def test_bit_identical_across_runs_and_thread_counts(case, monkeypatch):
 
 
 @needs_kernel
-# 50 queries, 70 keys: is_causal top-left on purpose (its CausalAlignmentWarning expected)
-@pytest.mark.filterwarnings("ignore::jattn.CausalAlignmentWarning")
+@pytest.mark.top_left  # 50 queries, 70 keys
 def test_vmap_jit_and_eager_agree():
     case = Case("vmap", batch=(3, 2), tq=50, tk=70, causal=True, kv_lengths=(70, 3, 9, 0, 50, 1))
     q, k, v, _, _, _ = make_inputs(case)

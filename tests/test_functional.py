@@ -67,12 +67,7 @@ CASES = {
 }
 
 
-# These compare jattn's top-left is_causal with jax.nn / torch / numpy on calls with fewer
-# queries than keys on purpose: the CausalAlignmentWarning those calls give is expected.
-TOP_LEFT = pytest.mark.filterwarnings("ignore::jattn.CausalAlignmentWarning")
-
-
-@TOP_LEFT
+@pytest.mark.top_left  # some cases have fewer queries than keys, as jax.nn's top-left
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_jax_nn(name):
     case = CASES[name]
@@ -187,7 +182,7 @@ def test_flax_nnx_multihead_accepts_jattn_as_attention_fn():
 # ---------------------------------------------------------------------------------------
 
 
-@TOP_LEFT
+@pytest.mark.top_left
 @given(
     batch=st.lists(st.integers(1, 2), min_size=0, max_size=2),
     t=st.integers(1, 6),
@@ -590,7 +585,7 @@ def test_none_input_is_a_type_error():
 
 
 @pytest.mark.torch
-@TOP_LEFT
+@pytest.mark.top_left
 def test_matches_torch_sdpa_including_fully_masked_rows():
     torch = pytest.importorskip("torch")
     q, k, v = _qkv((2, 3, 5, 4), (2, 3, 7, 4))  # torch layout [B, H, T, D] ...

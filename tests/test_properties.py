@@ -32,9 +32,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 TOL = {"float32": 2e-5, "bfloat16": 2.5e-2, "float16": 4e-3}
 # The tests that compile gradients or whole modules per example run 2/5 as many.
 FEWER = settings(max_examples=max(1, settings().max_examples * 2 // 5))
-# Drawn shapes have fewer queries than keys at times: is_causal is top-left there, as in the
-# reference, and the CausalAlignmentWarning those calls give is expected.
-TOP_LEFT = pytest.mark.filterwarnings("ignore::jattn.CausalAlignmentWarning")
 
 
 @dataclasses.dataclass
@@ -142,7 +139,7 @@ def _reference_mask(case: AttentionCase, opts) -> np.ndarray:
     return mask
 
 
-@TOP_LEFT
+@pytest.mark.top_left  # drawn shapes have fewer queries at times
 @given(attention_cases())
 def test_dense_and_blockwise_match_the_float64_reference(case):
     q, k, v, opts = _inputs(case)
@@ -174,7 +171,7 @@ def test_dense_and_blockwise_match_the_float64_reference(case):
 
 
 @FEWER
-@TOP_LEFT
+@pytest.mark.top_left  # drawn shapes have fewer queries at times
 @given(attention_cases(dtypes=("float32",)), st.sampled_from([False, True, "batch", "heads"]))
 def test_dense_and_blockwise_agree_with_dropout_and_in_gradients(case, broadcast_dropout):
     """The two implementations drop the same weights and have the same gradients."""
