@@ -59,6 +59,7 @@ __all__ = [
     "THREADS_ENV",
     "attention",
     "available",
+    "max_threads",
     "obstacle",
     "status",
 ]
@@ -115,7 +116,9 @@ def obstacle(query: KernelQuery) -> str | None:
     return None
 
 
-def _threads() -> int:
+def max_threads() -> int:
+    """The most workers a kernel call may take, from ``JATTN_CPU_THREADS`` (0, unset or not
+    a number: every thread of XLA's intra-op pool). Read when a call is traced."""
     value = os.environ.get(THREADS_ENV, "").strip()
     return int(value) if value.isdigit() else 0
 
@@ -310,7 +313,7 @@ def attention(q, k, v, ops, settings, *, interpret: bool):
         block_mask_k=0 if ops.block_mask is None else ops.block_mask.block_k,
         block_q=BLOCK_Q,
         block_k=BLOCK_K,
-        max_threads=_threads(),
+        max_threads=max_threads(),
     )
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     out, lse = _ops.attention(*f32, _aux(q, k, ops, settings), static)

@@ -17,7 +17,6 @@ platform, jitted or not.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -139,11 +138,6 @@ def _paged_jvp(causal, scale, primals, tangents):
     return _paged(*primals, causal, scale), jax.jvp(xla, primals, tangents)[1]
 
 
-def _threads() -> int:
-    value = os.environ.get(adapter.THREADS_ENV, "").strip()
-    return int(value) if value.isdigit() else 0
-
-
 def _fused(q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths, *, causal,
            scale):  # fmt: skip
     """The kernel's ``ffi_call`` (float32 out)."""
@@ -154,7 +148,7 @@ def _fused(q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, len
         k_scales = v_scales = jnp.zeros((1,), jnp.float32)
     return call(
         q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths,
-        scale=np.float32(scale), causal=np.int64(causal), max_threads=np.int64(_threads()),
+        scale=np.float32(scale), causal=np.int64(causal), max_threads=np.int64(adapter.max_threads()),
     )  # fmt: skip
 
 
