@@ -665,6 +665,20 @@ std::vector<PagedItem> paged_items(const PagedParams& p, const std::vector<int32
   return items;
 }
 
+// Workers for a call: a second worker only for work worth waking it. Waking one of XLA's
+// pool threads costs the caller about 15 us on the 2-core VM, as much as a decoding step
+// over one page of keys (16 rows, 4 kv heads); two workers start to pay at about six pages
+// (benchmarks/ab_paged_kernel.py, warm). The items' results never depend on the count.
+constexpr int64_t kPagedWorkPerWorker = 96 * 1024;  // multiply-adds
+
+int64_t paged_workers(const PagedParams& p, const std::vector<PagedItem>& items,
+                      const std::vector<int32_t>& real, int64_t threads) {
+  int64_t work = 0;
+  for (const PagedItem& it : items)
+    work += (it.key_end - it.key_begin) * real[it.row] * (p.H / p.K) * (p.D + p.Dv);
+  return std::clamp<int64_t>(work / kPagedWorkPerWorker, 1, threads);
+}
+
 ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                         ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
                         ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> page_table,
@@ -707,7 +721,7 @@ ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   std::vector<float> part(part_floats);
   t.part = part.data();
   const PagedIsa& k_isa = paged_isa();
-  const int64_t threads = worker_count(pool, max_threads);
+  const int64_t threads = paged_workers(p, items, real, worker_count(pool, max_threads));
   parallel_for(pool, static_cast<int64_t>(items.size()), threads, k_isa.scratch_floats(p),
                [&](int64_t i, float* s) { k_isa.item(p, t, items[i], s); });
   if (part_floats == 0) return ffi::Error::Success();
