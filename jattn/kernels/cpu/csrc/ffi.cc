@@ -666,9 +666,10 @@ std::vector<PagedItem> paged_items(const PagedParams& p, const std::vector<int32
 }
 
 // Workers for a call: a second worker only for work worth waking it. Waking one of XLA's
-// pool threads costs the caller about 15 us on the 2-core VM, as much as a decoding step
-// over one page of keys (16 rows, 4 kv heads); two workers start to pay at about six pages
-// (benchmarks/ab_paged_kernel.py, warm). The items' results never depend on the count.
+// pool threads cost the caller about 15 us on the 2-core VM, as much as a decoding step
+// over one page of keys (16 rows, 4 kv heads of 32). Two workers paid from about three
+// pages a row with the pages in memory, six with them cached (ab_paged_kernel.py); the
+// threshold, two workers from 2 x 96 K, is the lower. Results never depend on the count.
 constexpr int64_t kPagedWorkPerWorker = 96 * 1024;  // multiply-adds
 
 int64_t paged_workers(const PagedParams& p, const std::vector<PagedItem>& items,
