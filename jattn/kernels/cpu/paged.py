@@ -9,10 +9,10 @@ table's width. On CPU with the kernel built it is one ``jax.ffi.ffi_call``
 keys, and for a long row with few queries (decoding) fixed key splits merged in order
 (split-KV, as flash-decoding), so the result does not depend on the thread count
 (``JATTN_CPU_THREADS``). A call with little work (a few pages a row) runs on the calling
-thread alone: waking a pool thread would cost more than it saves. Elsewhere (another platform's lowering, or no kernel) it is the
-XLA formulation: gather the pages, mask, softmax. Its derivatives are that formulation's
-(a ``jax.custom_jvp``), so ``jax.grad``, ``jax.jvp`` and ``jax.hessian`` work on every
-platform, jitted or not.
+thread alone: waking a pool thread would cost more than it saves. Elsewhere (another
+platform's lowering, or no kernel) it is the XLA formulation: gather the pages, mask,
+softmax. Its derivatives are that formulation's (a ``jax.custom_jvp``), so ``jax.grad``,
+``jax.jvp`` and ``jax.hessian`` work on every platform, jitted or not.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def _fused(q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, len
         k_scales = v_scales = jnp.zeros((1,), jnp.float32)
     return call(
         q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths,
-        scale=np.float32(scale), causal=np.int64(causal), max_threads=np.int64(adapter.max_threads()),
+        scale=np.float32(scale), causal=np.int64(causal),
+        max_threads=np.int64(adapter.max_threads()),
     )  # fmt: skip
 
 
