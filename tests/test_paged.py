@@ -538,6 +538,27 @@ def test_fused_paged_kernel_direct_call_and_a_work_list():
 
 
 @needs_kernel
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_paged_kernel_reads_a_rows_kv_heads_together_with_the_same_bits(int8):
+    """A decoding step over several rows takes all kv heads of a row in one work item
+    (whole token records); a row alone takes them one item each. Each kv head's sums run
+    in the same order either way, so the rows' outputs are the same bits."""
+    rng = np.random.default_rng(9)
+    starts, num_new = [30, 200, 1100, 70], [1, 1, 1, 1]  # 1100: three key splits
+    cache, (q, k, v) = filled_cache(rng, starts, num_new, page=16, chunk=1, heads=(8, 4), int8=int8)
+    _, after = jit_fused(cache, q, k, v, num_new=jnp.asarray(num_new))
+    scales = dict(k_scales=after.k_scales, v_scales=after.v_scales)
+    op = jax.jit(functools.partial(cpu_kernels.paged_attention, **scales))
+    pools = (after.k_pages, after.v_pages)
+    per_row = (after.page_table, jnp.asarray(starts), jnp.asarray(num_new), after.lengths)
+    together = op(q, *pools, *per_row)
+    alone = [op(q[r : r + 1], *pools, *(x[r : r + 1] for x in per_row)) for r in range(4)]
+    np.testing.assert_array_equal(together, np.concatenate(alone))
+    want = np_paged_reference(after, q, starts, num_new, causal=True)
+    np.testing.assert_allclose(together, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_fused_paged_kernel_in_half_precision_gives_the_xla_paths_dtype():
     rng = np.random.default_rng(4)
     cache, chunk = filled_cache(rng, [30, 3], [1, 1], page=16, chunk=1)

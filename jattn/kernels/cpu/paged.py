@@ -8,8 +8,10 @@ table's width. On CPU with the kernel built it is one ``jax.ffi.ffi_call``
 (``jattn_cpu_paged_attention``): an online softmax per (row, kv head) over blocks of
 keys, and for a long row with few queries (decoding) fixed key splits merged in order
 (split-KV, as flash-decoding), so the result does not depend on the thread count
-(``JATTN_CPU_THREADS``). A call with little work (a few pages a row) runs on the calling
-thread alone: waking a pool thread would cost more than it saves. Elsewhere (another
+(``JATTN_CPU_THREADS``). A decoding step over several rows takes each row's kv heads
+together, block by block, so it reads the pages' token records whole rather than one
+head's slice of each at a time. A call with little work (a few pages a row) runs on the
+calling thread alone: waking a pool thread would cost more than it saves. Elsewhere (another
 platform's lowering, or no kernel) it is the XLA formulation: gather the pages, mask,
 softmax. Its derivatives are that formulation's (a ``jax.custom_jvp``), so ``jax.grad``,
 ``jax.jvp`` and ``jax.hessian`` work on every platform, jitted or not.

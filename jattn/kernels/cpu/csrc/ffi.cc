@@ -635,33 +635,47 @@ ffi::Error paged_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd
   return ffi::Error::Success();
 }
 
-// The work items: per row (ascending) and kv head, one item, or consecutive key splits of
-// whole pages when few queries meet a long row; `part_floats` the partials they write.
-std::vector<PagedItem> paged_items(const PagedParams& p, const std::vector<int32_t>& start,
+// Items of all kv heads of a row read its token records whole (paged_impl.h): from this
+// many (row, key split) pairs with real queries on, and for calls of up to this many
+// queries a row (the states of all its kv heads' queries are a worker's scratch).
+// Otherwise an item per kv head, for more items to share out. Results are the same.
+constexpr int64_t kPagedRowItemsMin = 4;
+constexpr int64_t kPagedRowItemsMaxQueries = 64;
+
+// The work items: per row (ascending) and kv heads (all of them, or one at a time), one
+// item, or consecutive key splits of whole pages when few queries meet a long row;
+// `part_floats` the partials they write. Sets p->item_heads.
+std::vector<PagedItem> paged_items(PagedParams* p, const std::vector<int32_t>& start,
                                    const std::vector<int32_t>& real,
                                    const std::vector<int32_t>& length, int64_t* part_floats) {
-  const int64_t queries = p.H / p.K * p.T, stride = 2 + p.Dv;
-  const int64_t split = p.S * std::max<int64_t>(1, kPagedSplitKeys / p.S);
+  const int64_t queries = p->H / p->K * p->T, stride = 2 + p->Dv;
+  const int64_t split = p->S * std::max<int64_t>(1, kPagedSplitKeys / p->S);
+  std::vector<int64_t> end(p->R), splits(p->R);
+  int64_t pairs = 0;
+  for (int64_t r = 0; r < p->R; ++r) {
+    // the keys any real query sees: below the length, and to the last query if causal
+    end[r] = real[r] == 0 ? 0 : length[r];
+    if (p->causal) end[r] = std::min<int64_t>(end[r], static_cast<int64_t>(start[r]) + real[r]);
+    splits[r] =
+        queries <= kPagedSplitMaxQueries && end[r] >= 2 * split ? (end[r] + split - 1) / split : 1;
+    if (real[r] > 0) pairs += splits[r];
+  }
+  p->item_heads =
+      pairs >= kPagedRowItemsMin && p->T * p->H <= kPagedRowItemsMaxQueries ? p->K : 1;
   std::vector<PagedItem> items;
   *part_floats = 0;
-  for (int64_t r = 0; r < p.R; ++r) {
-    // the keys any real query sees: below the length, and to the last query if causal
-    int64_t end = real[r] == 0 ? 0 : length[r];
-    if (p.causal) end = std::min<int64_t>(end, static_cast<int64_t>(start[r]) + real[r]);
-    const int64_t splits =
-        queries <= kPagedSplitMaxQueries && end >= 2 * split ? (end + split - 1) / split : 1;
-    for (int64_t g = 0; g < p.K; ++g)
-      for (int64_t i = 0; i < splits; ++i) {
+  for (int64_t r = 0; r < p->R; ++r)
+    for (int64_t g = 0; g < p->K; g += p->item_heads)
+      for (int64_t i = 0; i < splits[r]; ++i) {
         int64_t part = -1;
-        if (splits > 1) {
+        if (splits[r] > 1) {
           part = *part_floats;
-          *part_floats += real[r] * (p.H / p.K) * stride;
+          *part_floats += p->item_heads * real[r] * (p->H / p->K) * stride;
         }
         // one item takes the whole row (not its first split's keys alone)
-        const int64_t key_end = splits == 1 ? end : std::min(end, (i + 1) * split);
-        items.push_back({r, g, i * split, key_end, part, splits});
+        const int64_t key_end = splits[r] == 1 ? end[r] : std::min(end[r], (i + 1) * split);
+        items.push_back({r, g, p->item_heads, i * split, key_end, part, splits[r]});
       }
-  }
   return items;
 }
 
@@ -676,7 +690,7 @@ int64_t paged_workers(const PagedParams& p, const std::vector<PagedItem>& items,
                       const std::vector<int32_t>& real, int64_t threads) {
   int64_t work = 0;
   for (const PagedItem& it : items)
-    work += (it.key_end - it.key_begin) * real[it.row] * (p.H / p.K) * (p.D + p.Dv);
+    work += (it.key_end - it.key_begin) * real[it.row] * it.heads * (p.H / p.K) * (p.D + p.Dv);
   return std::clamp<int64_t>(work / kPagedWorkPerWorker, 1, threads);
 }
 
@@ -718,7 +732,7 @@ ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   t.out = out->typed_data();
   if (p.R * p.T * p.H * p.Dv == 0) return ffi::Error::Success();
   int64_t part_floats = 0;
-  const std::vector<PagedItem> items = paged_items(p, start, real, length, &part_floats);
+  const std::vector<PagedItem> items = paged_items(&p, start, real, length, &part_floats);
   std::vector<float> part(part_floats);
   t.part = part.data();
   const PagedIsa& k_isa = paged_isa();
@@ -726,7 +740,7 @@ ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   parallel_for(pool, static_cast<int64_t>(items.size()), threads, k_isa.scratch_floats(p),
                [&](int64_t i, float* s) { k_isa.item(p, t, items[i], s); });
   if (part_floats == 0) return ffi::Error::Success();
-  std::vector<int64_t> merges;  // the first item of each split (row, kv head)
+  std::vector<int64_t> merges;  // the first item of each split (row, kv heads)
   for (size_t i = 0; i < items.size(); i += items[i].splits)
     if (items[i].splits > 1) merges.push_back(static_cast<int64_t>(i));
   parallel_for(pool, static_cast<int64_t>(merges.size()), threads, 0,

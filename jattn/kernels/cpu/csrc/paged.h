@@ -17,6 +17,7 @@ namespace jattn {
 
 struct PagedParams {
   int64_t R, T, H, K, D, Dv, N, S, P;
+  int64_t item_heads = 1;  // kv heads per work item (1 or K), set with the items
   float scale;
   bool causal;
   bool int8;  // int8 pages with float32 scales
@@ -36,11 +37,13 @@ struct PagedTensors {
   float* part = nullptr;  // split partials: per (item, query of its group) m, l, acc[Dv]
 };
 
-// One work item: the queries of row `row` on the heads of kv head `head` against keys
-// [key_begin, key_end); `part` < 0: write the normalized output, else the unnormalized
-// partial state at part (merged by merge_item, over the `splits` consecutive items).
+// One work item: the queries of row `row` on the heads of kv heads [head, head + heads)
+// against keys [key_begin, key_end); `part` < 0: write the normalized output, else the
+// unnormalized partial state at part (merged by merge_item, over the `splits` consecutive
+// items). Each kv head's arithmetic is the same whatever `heads`: only the order in which
+// memory is read changes.
 struct PagedItem {
-  int64_t row, head, key_begin, key_end, part, splits;
+  int64_t row, head, heads, key_begin, key_end, part, splits;
 };
 
 struct PagedIsa {

@@ -5,12 +5,14 @@
 //   JATTN_ISA_NAME  its name
 //   JATTN_W    floats per vector register (16, 8, 4)
 //
-// One item per (row, kv head, key split): the queries of the heads sharing the kv head run
-// an online softmax over blocks of kBlock keys read through the page table in place (a
-// pointer per key, so any page size reads alike; the next block's lines asked for while
-// one computes); a block's logits are q . k over D, its weights a vectorized polynomial
-// exp, and the values accumulate as acc += p v over Dv (a vector of acc held in a register
-// over the block's keys).
+// One item per (row, kv heads, key split): for each of its kv heads, the queries of the
+// heads sharing it run an online softmax over blocks of kBlock keys read through the page
+// table in place (a pointer per key, so any page size reads alike; the next block's lines
+// asked for while one computes); a block's logits are q . k over D, its weights a
+// vectorized polynomial exp, and the values accumulate as acc += p v over Dv (a vector of
+// acc held in a register over the block's keys). An item of several kv heads takes a block
+// of keys for each head in turn, so it reads the block's token records (all kv heads of a
+// token, contiguous) together rather than a head's slice of them at a time.
 // A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
 // splits in their order. Every sum runs in a fixed order within one item: the results do
 // not depend on the number of threads.
@@ -119,18 +121,19 @@ inline void prefetch(const char* a) {
 #endif
 }
 
-// Asks for the keys and values of positions [first, first + n) of a row's kv head ahead
-// of their use (the next block's, while this one computes). A kv head's keys lie a
-// stride apart in the pages, and a page's run of them anywhere in the pool: with the
-// hardware prefetchers alone, a decoding step over a cache out of the CPU's caches waited
-// on memory for most of its time.
+// Asks for the keys and values of positions [first, first + n) of a row's kv heads
+// [head, head + heads) ahead of their use (the next block's, while this one computes). A
+// kv head's keys lie a stride apart in the pages, and a page's run of them anywhere in the
+// pool: with the hardware prefetchers alone, a decoding step over a cache out of the CPU's
+// caches waited on memory for most of its time.
 template <typename E>
 void prefetch_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
-                    int64_t first, int64_t n) {
+                    int64_t heads, int64_t first, int64_t n) {
   constexpr int64_t kLine = 64;
   const char* kp = static_cast<const char*>(t.k);
   const char* vp = static_cast<const char*>(t.v);
   const int64_t kbytes = p.D * sizeof(E), vbytes = p.Dv * sizeof(E);
+  const int64_t krun = heads * kbytes, vrun = heads * vbytes;  // one token's heads
   const int32_t* table = t.table + row * p.P;
   for (int64_t j = 0; j < n;) {
     const int64_t pos = first + j, index = pos / p.S, offset = pos - index * p.S;
@@ -139,8 +142,8 @@ void prefetch_block(const PagedParams& p, const PagedTensors& t, int64_t row, in
     if (page < 0 || page >= p.N) continue;
     for (int64_t i = 0; i < m; ++i) {
       const int64_t at = (page * p.S + offset + i) * p.K + head;
-      for (int64_t c = 0; c < kbytes; c += kLine) prefetch(kp + at * kbytes + c);
-      for (int64_t c = 0; c < vbytes; c += kLine) prefetch(vp + at * vbytes + c);
+      for (int64_t c = 0; c < krun; c += kLine) prefetch(kp + at * kbytes + c);
+      for (int64_t c = 0; c < vrun; c += kLine) prefetch(vp + at * vbytes + c);
     }
   }
 }
@@ -256,15 +259,40 @@ inline void finish(const float* st, int64_t dv, float* o) {
   for (int64_t i = 0; i < dv; ++i) o[i] = st[2 + i] * inv;
 }
 
+// The queries of row r on kv head `head` over the block b (n keys from `first`), their
+// states at `state` ((t, head of the group) order), into the pending accumulations w.
+template <typename E>
+void head_block(const PagedParams& p, const PagedTensors& t, int64_t r, int64_t head,
+                int64_t first, int64_t n, const Block<E>& b, const float* kt, float* s,
+                float* state, Pending* w) {
+  const int64_t group = p.H / p.K, stride = 2 + p.Dv;
+  const int64_t real = t.real[r], start = t.start[r];
+  for (int64_t tq = 0; tq < real; ++tq) {
+    const int64_t seen = p.causal ? std::min(n, start + tq + 1 - first) : n;
+    if (seen <= 0) continue;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = t.q + ((r * p.T + tq) * p.H + head * group + g) * p.D;
+      float* st = state + (tq * group + g) * stride;
+      float* row = s + w->count * kBlock;
+      w->alpha[w->count] = softmax_block(p, b, seen, q, kt, row, st);
+      w->s[w->count] = row;
+      w->acc[w->count] = st + 2;
+      w->seen[w->count] = seen;
+      if (++w->count == kQueries) flush(p, b, w);
+    }
+  }
+  flush(p, b, w);
+}
+
 template <typename E>
 void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
   const int64_t group = p.H / p.K, r = it.row, stride = 2 + p.Dv;
-  const int64_t real = t.real[r], start = t.start[r];
+  const int64_t real = t.real[r], per_head = real * group * stride;
   float* s = scratch;                           // kQueries rows of kBlock weights
   float* kt = scratch + kQueries * kBlock;      // D x kBlock: the transposed block
-  float* state = kt + p.D * kBlock;             // per query (t, head of the group): m, l, acc
+  float* state = kt + p.D * kBlock;  // per kv head, query (t, head of the group): m, l, acc
   const bool transpose = real * group >= kTransposeMinQueries;
-  for (int64_t i = 0; i < real * group; ++i) {
+  for (int64_t i = 0; i < it.heads * real * group; ++i) {
     float* st = state + i * stride;
     st[0] = -kInf;
     std::fill(st + 1, st + stride, 0.f);
@@ -273,68 +301,61 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   Pending w;
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
-    fill_block(p, t, r, it.head, first, n, &b);
     if (first + kPrefetchAhead < it.key_end)
-      prefetch_block<E>(p, t, r, it.head, first + kPrefetchAhead,
+      prefetch_block<E>(p, t, r, it.head, it.heads, first + kPrefetchAhead,
                         std::min(kBlock, it.key_end - first - kPrefetchAhead));
-    if (transpose) transpose_block(p, b, n, kt);
-    for (int64_t tq = 0; tq < real; ++tq) {
-      const int64_t seen = p.causal ? std::min(n, start + tq + 1 - first) : n;
-      if (seen <= 0) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = t.q + ((r * p.T + tq) * p.H + it.head * group + g) * p.D;
-        float* st = state + (tq * group + g) * stride;
-        float* row = s + w.count * kBlock;
-        w.alpha[w.count] = softmax_block(p, b, seen, q, transpose ? kt : nullptr, row, st);
-        w.s[w.count] = row;
-        w.acc[w.count] = st + 2;
-        w.seen[w.count] = seen;
-        if (++w.count == kQueries) flush(p, b, &w);
-      }
+    for (int64_t h = 0; h < it.heads; ++h) {
+      fill_block(p, t, r, it.head + h, first, n, &b);
+      if (transpose) transpose_block(p, b, n, kt);
+      head_block(p, t, r, it.head + h, first, n, b, transpose ? kt : nullptr, s,
+                 state + h * per_head, &w);
     }
-    flush(p, b, &w);
   }
   if (it.part >= 0) {
-    std::memcpy(t.part + it.part, state, sizeof(float) * real * group * stride);
+    std::memcpy(t.part + it.part, state, sizeof(float) * it.heads * per_head);
     return;
   }
-  for (int64_t tq = 0; tq < p.T; ++tq)
-    for (int64_t g = 0; g < group; ++g) {
-      float* o = t.out + ((r * p.T + tq) * p.H + it.head * group + g) * p.Dv;
-      if (tq < real)
-        finish(state + (tq * group + g) * stride, p.Dv, o);
-      else
-        std::fill(o, o + p.Dv, 0.f);
-    }
+  for (int64_t h = 0; h < it.heads; ++h)
+    for (int64_t tq = 0; tq < p.T; ++tq)
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = t.out + ((r * p.T + tq) * p.H + (it.head + h) * group + g) * p.Dv;
+        if (tq < real)
+          finish(state + h * per_head + (tq * group + g) * stride, p.Dv, o);
+        else
+          std::fill(o, o + p.Dv, 0.f);
+      }
 }
 
-// Row first.row's outputs on kv head first.head from the partials of the `splits`
-// consecutive items starting at `first` (an element of the handler's item array).
+// Row first.row's outputs on kv heads [first.head, first.head + first.heads) from the
+// partials of the `splits` consecutive items starting at `first` (an element of the
+// handler's item array).
 void merge_item(const PagedParams& p, const PagedTensors& t, const PagedItem& first) {
   const int64_t group = p.H / p.K, r = first.row, stride = 2 + p.Dv, real = t.real[r];
   const PagedItem* items = &first;
-  for (int64_t tq = 0; tq < p.T; ++tq)
-    for (int64_t g = 0; g < group; ++g) {
-      float* o = t.out + ((r * p.T + tq) * p.H + first.head * group + g) * p.Dv;
-      std::fill(o, o + p.Dv, 0.f);
-      if (tq >= real) continue;
-      const int64_t at = (tq * group + g) * stride;
-      float top = -kInf, total = 0.f;
-      for (int64_t i = 0; i < first.splits; ++i) top = std::max(top, t.part[items[i].part + at]);
-      if (top == -kInf) continue;
-      for (int64_t i = 0; i < first.splits; ++i) {
-        const float* st = t.part + items[i].part + at;
-        const float w = st[0] == -kInf ? 0.f : std::exp(st[0] - top);
-        total += st[1] * w;
-        if (w > 0.f) axpy(o, w, st + 2, p.Dv);
+  for (int64_t h = 0; h < first.heads; ++h)
+    for (int64_t tq = 0; tq < p.T; ++tq)
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = t.out + ((r * p.T + tq) * p.H + (first.head + h) * group + g) * p.Dv;
+        std::fill(o, o + p.Dv, 0.f);
+        if (tq >= real) continue;
+        const int64_t at = ((h * real + tq) * group + g) * stride;
+        float top = -kInf, total = 0.f;
+        for (int64_t i = 0; i < first.splits; ++i)
+          top = std::max(top, t.part[items[i].part + at]);
+        if (top == -kInf) continue;
+        for (int64_t i = 0; i < first.splits; ++i) {
+          const float* st = t.part + items[i].part + at;
+          const float w = st[0] == -kInf ? 0.f : std::exp(st[0] - top);
+          total += st[1] * w;
+          if (w > 0.f) axpy(o, w, st + 2, p.Dv);
+        }
+        if (total > 0.f) scale_by(o, 1.f / total, p.Dv);
+        else std::fill(o, o + p.Dv, 0.f);
       }
-      if (total > 0.f) scale_by(o, 1.f / total, p.Dv);
-      else std::fill(o, o + p.Dv, 0.f);
-    }
 }
 
 int64_t scratch_floats(const PagedParams& p) {
-  return kQueries * kBlock + p.D * kBlock + (p.H / p.K) * p.T * (2 + p.Dv);
+  return kQueries * kBlock + p.D * kBlock + p.item_heads * (p.H / p.K) * p.T * (2 + p.Dv);
 }
 
 void item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
