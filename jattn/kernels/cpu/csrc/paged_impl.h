@@ -122,10 +122,10 @@ inline void prefetch(const char* a) {
 }
 
 // Asks for the keys and values of positions [first, first + n) of a row's kv heads
-// [head, head + heads) ahead of their use (the next block's, while this one computes). A
-// kv head's keys lie a stride apart in the pages, and a page's run of them anywhere in the
-// pool: with the hardware prefetchers alone, a decoding step over a cache out of the CPU's
-// caches waited on memory for most of its time.
+// [head, head + heads) ahead of their use (the next block's, while this one computes): a
+// page's run of keys lies anywhere in the pool. On an AVX-512 EPYC (Zen 4), items reading
+// whole token records ran as fast without it (ab_paged_kernel.py); kept for the CPUs it
+// was not measured on.
 template <typename E>
 void prefetch_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
                     int64_t heads, int64_t first, int64_t n) {
@@ -326,31 +326,37 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
       }
 }
 
+// One query's output o from its partial states at offset `at` of the `splits` items from
+// `items`, merged in their order: zeros where no split saw a key.
+void merge_query(const PagedParams& p, const PagedTensors& t, const PagedItem* items,
+                 int64_t splits, int64_t at, float* o) {
+  std::fill(o, o + p.Dv, 0.f);
+  float top = -kInf, total = 0.f;
+  for (int64_t i = 0; i < splits; ++i) top = std::max(top, t.part[items[i].part + at]);
+  if (top == -kInf) return;
+  for (int64_t i = 0; i < splits; ++i) {
+    const float* st = t.part + items[i].part + at;
+    const float w = st[0] == -kInf ? 0.f : std::exp(st[0] - top);
+    total += st[1] * w;
+    if (w > 0.f) axpy(o, w, st + 2, p.Dv);
+  }
+  if (total > 0.f) scale_by(o, 1.f / total, p.Dv);
+  else std::fill(o, o + p.Dv, 0.f);
+}
+
 // Row first.row's outputs on kv heads [first.head, first.head + first.heads) from the
 // partials of the `splits` consecutive items starting at `first` (an element of the
 // handler's item array).
 void merge_item(const PagedParams& p, const PagedTensors& t, const PagedItem& first) {
   const int64_t group = p.H / p.K, r = first.row, stride = 2 + p.Dv, real = t.real[r];
-  const PagedItem* items = &first;
   for (int64_t h = 0; h < first.heads; ++h)
     for (int64_t tq = 0; tq < p.T; ++tq)
       for (int64_t g = 0; g < group; ++g) {
         float* o = t.out + ((r * p.T + tq) * p.H + (first.head + h) * group + g) * p.Dv;
-        std::fill(o, o + p.Dv, 0.f);
-        if (tq >= real) continue;
-        const int64_t at = ((h * real + tq) * group + g) * stride;
-        float top = -kInf, total = 0.f;
-        for (int64_t i = 0; i < first.splits; ++i)
-          top = std::max(top, t.part[items[i].part + at]);
-        if (top == -kInf) continue;
-        for (int64_t i = 0; i < first.splits; ++i) {
-          const float* st = t.part + items[i].part + at;
-          const float w = st[0] == -kInf ? 0.f : std::exp(st[0] - top);
-          total += st[1] * w;
-          if (w > 0.f) axpy(o, w, st + 2, p.Dv);
-        }
-        if (total > 0.f) scale_by(o, 1.f / total, p.Dv);
-        else std::fill(o, o + p.Dv, 0.f);
+        if (tq < real)
+          merge_query(p, t, &first, first.splits, ((h * real + tq) * group + g) * stride, o);
+        else
+          std::fill(o, o + p.Dv, 0.f);
       }
 }
 
