@@ -674,7 +674,7 @@ std::vector<PagedItem> paged_items(PagedParams* p, const std::vector<int32_t>& s
         }
         // one item takes the whole row (not its first split's keys alone)
         const int64_t key_end = splits[r] == 1 ? end[r] : std::min(end[r], (i + 1) * split);
-        items.push_back({r, g, p->item_heads, i * split, key_end, part, splits[r]});
+        items.push_back({r, g, i * split, key_end, part, splits[r]});
       }
   return items;
 }
@@ -688,9 +688,9 @@ constexpr int64_t kPagedWorkPerWorker = 96 * 1024;  // multiply-adds
 
 int64_t paged_workers(const PagedParams& p, const std::vector<PagedItem>& items,
                       const std::vector<int32_t>& real, int64_t threads) {
-  int64_t work = 0;
-  for (const PagedItem& it : items)
-    work += (it.key_end - it.key_begin) * real[it.row] * it.heads * (p.H / p.K) * (p.D + p.Dv);
+  int64_t work = 0;  // key-query pairs, then multiply-adds
+  for (const PagedItem& it : items) work += (it.key_end - it.key_begin) * real[it.row];
+  work *= p.item_heads * (p.H / p.K) * (p.D + p.Dv);
   return std::clamp<int64_t>(work / kPagedWorkPerWorker, 1, threads);
 }
 

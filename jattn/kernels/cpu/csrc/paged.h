@@ -37,13 +37,13 @@ struct PagedTensors {
   float* part = nullptr;  // split partials: per (item, query of its group) m, l, acc[Dv]
 };
 
-// One work item: the queries of row `row` on the heads of kv heads [head, head + heads)
-// against keys [key_begin, key_end); `part` < 0: write the normalized output, else the
-// unnormalized partial state at part (merged by merge_item, over the `splits` consecutive
-// items). Each kv head's arithmetic is the same whatever `heads`: only the order in which
-// memory is read changes.
+// One work item: the queries of row `row` on the heads of kv heads [head, head +
+// PagedParams::item_heads) against keys [key_begin, key_end); `part` < 0: write the
+// normalized output, else the unnormalized partial state at part (merged by merge_item,
+// over the `splits` consecutive items). Each kv head's arithmetic is the same whatever
+// item_heads: only the order in which memory is read changes.
 struct PagedItem {
-  int64_t row, head, heads, key_begin, key_end, part, splits;
+  int64_t row, head, key_begin, key_end, part, splits;
 };
 
 struct PagedIsa {

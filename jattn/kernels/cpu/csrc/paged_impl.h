@@ -292,7 +292,7 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   float* kt = scratch + kQueries * kBlock;      // D x kBlock: the transposed block
   float* state = kt + p.D * kBlock;  // per kv head, query (t, head of the group): m, l, acc
   const bool transpose = real * group >= kTransposeMinQueries;
-  for (int64_t i = 0; i < it.heads * real * group; ++i) {
+  for (int64_t i = 0; i < p.item_heads * real * group; ++i) {
     float* st = state + i * stride;
     st[0] = -kInf;
     std::fill(st + 1, st + stride, 0.f);
@@ -302,9 +302,9 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
     if (first + kPrefetchAhead < it.key_end)
-      prefetch_block<E>(p, t, r, it.head, it.heads, first + kPrefetchAhead,
+      prefetch_block<E>(p, t, r, it.head, p.item_heads, first + kPrefetchAhead,
                         std::min(kBlock, it.key_end - first - kPrefetchAhead));
-    for (int64_t h = 0; h < it.heads; ++h) {
+    for (int64_t h = 0; h < p.item_heads; ++h) {
       fill_block(p, t, r, it.head + h, first, n, &b);
       if (transpose) transpose_block(p, b, n, kt);
       head_block(p, t, r, it.head + h, first, n, b, transpose ? kt : nullptr, s,
@@ -312,10 +312,10 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
     }
   }
   if (it.part >= 0) {
-    std::memcpy(t.part + it.part, state, sizeof(float) * it.heads * per_head);
+    std::memcpy(t.part + it.part, state, sizeof(float) * p.item_heads * per_head);
     return;
   }
-  for (int64_t h = 0; h < it.heads; ++h)
+  for (int64_t h = 0; h < p.item_heads; ++h)
     for (int64_t tq = 0; tq < p.T; ++tq)
       for (int64_t g = 0; g < group; ++g) {
         float* o = t.out + ((r * p.T + tq) * p.H + (it.head + h) * group + g) * p.Dv;
@@ -344,12 +344,12 @@ void merge_query(const PagedParams& p, const PagedTensors& t, const PagedItem* i
   else std::fill(o, o + p.Dv, 0.f);
 }
 
-// Row first.row's outputs on kv heads [first.head, first.head + first.heads) from the
+// Row first.row's outputs on kv heads [first.head, first.head + p.item_heads) from the
 // partials of the `splits` consecutive items starting at `first` (an element of the
 // handler's item array).
 void merge_item(const PagedParams& p, const PagedTensors& t, const PagedItem& first) {
   const int64_t group = p.H / p.K, r = first.row, stride = 2 + p.Dv, real = t.real[r];
-  for (int64_t h = 0; h < first.heads; ++h)
+  for (int64_t h = 0; h < p.item_heads; ++h)
     for (int64_t tq = 0; tq < p.T; ++tq)
       for (int64_t g = 0; g < group; ++g) {
         float* o = t.out + ((r * p.T + tq) * p.H + (first.head + h) * group + g) * p.Dv;
