@@ -7,12 +7,12 @@
 //
 // One item per (row, kv heads, key split): for each of its kv heads, the queries of the
 // heads sharing it run an online softmax over blocks of kBlock keys read through the page
-// table in place (a pointer per key, so any page size reads alike; the next block's lines
-// asked for while one computes); a block's logits are q . k over D, its weights a
-// vectorized polynomial exp, and the values accumulate as acc += p v over Dv (a vector of
-// acc held in a register over the block's keys). An item of several kv heads takes a block
-// of keys for each head in turn, so it reads the block's token records (all kv heads of a
-// token, contiguous) together rather than a head's slice of them at a time.
+// table in place (a pointer per key, so any page size reads alike; each block's lines read
+// in a tight loop before it computes, touch_block); a block's logits are q . k over D, its
+// weights a vectorized polynomial exp, and the values accumulate as acc += p v over Dv (a
+// vector of acc held in a register over the block's keys). An item of several kv heads
+// takes a block of keys for each head in turn, so it reads the block's token records (all
+// kv heads of a token, contiguous) together rather than a head's slice of them at a time.
 // A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
 // splits in their order. Every sum runs in a fixed order within one item: the results do
 // not depend on the number of threads.
@@ -32,9 +32,6 @@ namespace {
 
 constexpr int W = JATTN_W;
 constexpr int64_t kBlock = 64;  // keys per block (a multiple of every W)
-// Each block asks for the lines of the next one (prefetch_block): one block ahead measured
-// as well as two or three.
-constexpr int64_t kPrefetchAhead = kBlock;
 // From this many queries per item on, a block's keys are transposed once and every query's
 // logits come a vector of keys at a time (no horizontal sum per key).
 constexpr int64_t kTransposeMinQueries = 4;
@@ -111,39 +108,38 @@ void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_
   }
 }
 
-// A prefetch of the line at `a`, as an asm statement: GCC counts __builtin_prefetch as
-// free of side effects and, from -O2 on, deletes a loop that does nothing else.
-inline void prefetch(const char* a) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*a));
-#else
-  __builtin_prefetch(a);
-#endif
-}
-
-// Asks for the keys and values of positions [first, first + n) of a row's kv heads
-// [head, head + heads) ahead of their use (the next block's, while this one computes): a
-// page's run of keys lies anywhere in the pool. On an AVX-512 EPYC (Zen 4), items reading
-// whole token records ran as fast without it (ab_paged_kernel.py); kept for the CPUs it
-// was not measured on.
+// Reads one byte of every cache line of the keys and values of positions [first,
+// first + n) of a row's kv heads [head, head + heads), in a tight loop of loads the
+// compiler must keep, before the block computes. Out of the CPU's caches, a block's
+// computation issues its loads a key at a time between dependent arithmetic and waits on
+// memory; these loads, with nothing between them, keep many misses in flight. A decoding
+// step over 16 rows (4 kv heads of 32) at 743 positions: 869 -> 548 us, pages out of the
+// caches; 2 rows (8 of 64) at 4096: 1269 -> 729 us (ab_paged_kernel.py, AVX-512 Zen 4).
+// Software prefetches (prefetcht0) of the next block's lines, which this replaces, ran no
+// faster than none at all on that CPU.
 template <typename E>
-void prefetch_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
-                    int64_t heads, int64_t first, int64_t n) {
-  constexpr int64_t kLine = 64;
+void touch_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
+                 int64_t heads, int64_t first, int64_t n) {
+  constexpr uintptr_t kLine = 64;
   const char* kp = static_cast<const char*>(t.k);
   const char* vp = static_cast<const char*>(t.v);
   const int64_t kbytes = p.D * sizeof(E), vbytes = p.Dv * sizeof(E);
-  const int64_t krun = heads * kbytes, vrun = heads * vbytes;  // one token's heads
   const int32_t* table = t.table + row * p.P;
+  auto touch = [](const char* a, int64_t bytes) {  // every line of [a, a + bytes)
+    const uintptr_t end = reinterpret_cast<uintptr_t>(a) + bytes;
+    for (uintptr_t line = reinterpret_cast<uintptr_t>(a) & ~(kLine - 1); line < end;
+         line += kLine)
+      (void)*reinterpret_cast<const volatile char*>(line);
+  };
   for (int64_t j = 0; j < n;) {
     const int64_t pos = first + j, index = pos / p.S, offset = pos - index * p.S;
     const int64_t page = table[index], m = std::min(n - j, p.S - offset);
     j += m;
     if (page < 0 || page >= p.N) continue;
-    for (int64_t i = 0; i < m; ++i) {
+    for (int64_t i = 0; i < m; ++i) {  // one token's kv heads [head, head + heads)
       const int64_t at = (page * p.S + offset + i) * p.K + head;
-      for (int64_t c = 0; c < krun; c += kLine) prefetch(kp + at * kbytes + c);
-      for (int64_t c = 0; c < vrun; c += kLine) prefetch(vp + at * vbytes + c);
+      touch(kp + at * kbytes, heads * kbytes);
+      touch(vp + at * vbytes, heads * vbytes);
     }
   }
 }
@@ -301,9 +297,7 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   Pending w;
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
-    if (first + kPrefetchAhead < it.key_end)
-      prefetch_block<E>(p, t, r, it.head, p.item_heads, first + kPrefetchAhead,
-                        std::min(kBlock, it.key_end - first - kPrefetchAhead));
+    touch_block<E>(p, t, r, it.head, p.item_heads, first, n);
     for (int64_t h = 0; h < p.item_heads; ++h) {
       fill_block(p, t, r, it.head + h, first, n, &b);
       if (transpose) transpose_block(p, b, n, kt);
