@@ -21,6 +21,10 @@ Usage (from the repository root)::
     python setup.py build_ext --inplace --force
     cp jattn/kernels/cpu/_jattn_cpu*.so /tmp/after.so
     python benchmarks/ab_paged_kernel.py /tmp/before.so /tmp/after.so
+
+``--same-bits 600`` first requires every build to give the first one's bits on 600 random
+calls (float and int8 pages, GQA, chunks, key splits): for a change meant to leave the
+arithmetic alone. ``JATTN_CPU_ISA=avx2`` (or ``generic``) runs the builds' narrower kernels.
 """
 
 from __future__ import annotations
@@ -40,24 +44,68 @@ PAGE = 16
 
 
 def register(paths: list[str]) -> dict:
-    """{file name: jitted call} of each build's paged handler, registered as ``ab_paged_<i>``."""
+    """{file name: jitted call} of each build's paged handler, registered as ``ab_paged_<i>``:
+    ``call(q, k_pages, v_pages, table, starts, num_real, lengths, k_scales=, v_scales=)``
+    (the scales for int8 pages)."""
     calls = {}
     for i, path in enumerate(paths):
         name = f"ab_paged_{i}"
         handler = ctypes.CDLL(os.path.abspath(path)).JattnCpuPagedAttention
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
 
-        def call(q, k_pages, v_pages, table, starts, num_real, lengths, name=name):
+        def call(q, k_pages, v_pages, table, starts, num_real, lengths, k_scales=None,
+                 v_scales=None, name=name):  # fmt: skip
             out = jax.ShapeDtypeStruct((*q.shape[:3], v_pages.shape[-1]), jnp.float32)
-            unused = jnp.zeros((1,), jnp.float32)  # the int8 scales
+            unused = jnp.zeros((1,), jnp.float32)  # no int8 scales
             return jax.ffi.ffi_call(name, out)(
-                q, k_pages, v_pages, unused, unused, table, starts, num_real, lengths,
+                q, k_pages, v_pages,
+                unused if k_scales is None else k_scales, unused if v_scales is None else v_scales,
+                table, starts, num_real, lengths,
                 scale=np.float32(q.shape[-1] ** -0.5), causal=np.int64(1),
                 max_threads=np.int64(0),
             )  # fmt: skip
 
         calls[os.path.basename(path)] = jax.jit(call)
     return calls
+
+
+def random_call(rng: np.random.Generator) -> tuple:
+    """The arguments of one random paged call: 1-8 rows, 1-12 kv heads, GQA groups 1-4,
+    chunks of 1-5 queries (some rows with fewer real ones), head_dim 32 or 20, float32 or
+    int8 pages (with scales), lengths up to 1100 (key splits), pages in a random order and
+    one unallocated."""
+    rows, kv_heads, group = rng.choice([1, 3, 8]), rng.choice([1, 2, 4, 12]), rng.integers(1, 5)
+    chunk, dim, int8 = rng.choice([1, 2, 5]), rng.choice([32, 20]), bool(rng.integers(2))
+    longest = rng.choice([5, 70, 1100])
+    width = -(-(longest + chunk) // PAGE)
+    pages = rows * width + 3
+    shape = (pages, PAGE, kv_heads, dim)
+    if int8:
+        k, v = (rng.integers(-127, 128, size=shape).astype(np.int8) for _ in "kv")
+        scales = [rng.random(pages * PAGE * kv_heads).astype(np.float32) / 50 for _ in "kv"]
+    else:
+        k, v = (rng.normal(size=shape).astype(np.float32) for _ in "kv")
+        scales = [None, None]
+    table = rng.permutation(pages)[: rows * width].reshape(rows, width).astype(np.int32)
+    table[0, -1] = -1
+    q = rng.normal(size=(rows, chunk, kv_heads * group, dim)).astype(np.float32)
+    lengths = rng.integers(1, longest + 1, size=rows).astype(np.int32)
+    lengths[0] = longest
+    starts = np.maximum(lengths - chunk, 0).astype(np.int32)
+    num_real = rng.integers(1, chunk + 1, size=rows).astype(np.int32)
+    return (q, k, v, table, starts, num_real, lengths, *scales)
+
+
+def check_same_bits(calls: dict, n: int) -> None:
+    """Every build gives the first one's bits on ``n`` random calls (:func:`random_call`):
+    for a change that must not touch the arithmetic (the order of reads, the threads)."""
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        args = random_call(rng)
+        outs = [np.asarray(call(*args)) for call in calls.values()]
+        for name, out in zip(calls, outs[1:], strict=False):
+            np.testing.assert_array_equal(out, outs[0], err_msg=f"call {i}: {name} differs")
+    print(f"same bits on {n} random calls: {', '.join(calls)}")
 
 
 def last_level_cache_bytes(default: int = 64 << 20) -> int:
@@ -79,8 +127,14 @@ def main(argv=None) -> None:
     p.add_argument("--capacity", type=int, default=743)
     p.add_argument("--fill", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     p.add_argument("--repeats", type=int, default=300)
+    p.add_argument(
+        "--same-bits", type=int, default=0, metavar="N",
+        help="first require every build to give the same bits on N random calls",
+    )  # fmt: skip
     args = p.parse_args(argv)
     calls = register(args.builds)
+    if args.same_bits:
+        check_same_bits(calls, args.same_bits)
     rows, heads, dim = args.rows, args.heads, args.head_dim
     width = -(-args.capacity // PAGE)
     rng = np.random.default_rng(0)
