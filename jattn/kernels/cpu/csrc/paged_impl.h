@@ -108,39 +108,28 @@ void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_
   }
 }
 
-// Reads one byte of every cache line of the keys and values of positions [first,
-// first + n) of a row's kv heads [head, head + heads), in a tight loop of loads the
-// compiler must keep, before the block computes. Out of the CPU's caches, a block's
-// computation issues its loads a key at a time between dependent arithmetic and waits on
-// memory; these loads, with nothing between them, keep many misses in flight. A decoding
-// step over 16 rows (4 kv heads of 32) at 743 positions: 869 -> 548 us, pages out of the
-// caches; 2 rows (8 of 64) at 4096: 1269 -> 729 us (ab_paged_kernel.py, AVX-512 Zen 4).
-// Software prefetches (prefetcht0) of the next block's lines, which this replaces, ran no
-// faster than none at all on that CPU.
+// Reads one byte of every cache line of the keys and values of a block's n keys on kv
+// heads [head, head + heads), b being kv head `head`'s block (a token's kv heads are
+// contiguous), in a tight loop of loads the compiler must keep, before the block computes.
+// Out of the CPU's caches, a block's computation issues its loads a key at a time between
+// dependent arithmetic and waits on memory; these loads, with nothing between them, keep
+// many misses in flight. A decoding step over 16 rows (4 kv heads of 32) at 743
+// positions: 869 -> 548 us, pages out of the caches; 2 rows (8 of 64) at 4096: 1269 -> 729
+// us (ab_paged_kernel.py, AVX-512 Zen 4). Software prefetches (prefetcht0) of the next
+// block's lines, which this replaces, ran no faster than none at all on that CPU.
 template <typename E>
-void touch_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_t head,
-                 int64_t heads, int64_t first, int64_t n) {
+void touch_block(const PagedParams& p, const Block<E>& b, int64_t n, int64_t heads) {
   constexpr uintptr_t kLine = 64;
-  const char* kp = static_cast<const char*>(t.k);
-  const char* vp = static_cast<const char*>(t.v);
-  const int64_t kbytes = p.D * sizeof(E), vbytes = p.Dv * sizeof(E);
-  const int32_t* table = t.table + row * p.P;
-  auto touch = [](const char* a, int64_t bytes) {  // every line of [a, a + bytes)
+  auto touch = [](const E* a, int64_t bytes) {  // every line of [a, a + bytes)
     const uintptr_t end = reinterpret_cast<uintptr_t>(a) + bytes;
     for (uintptr_t line = reinterpret_cast<uintptr_t>(a) & ~(kLine - 1); line < end;
          line += kLine)
       (void)*reinterpret_cast<const volatile char*>(line);
   };
-  for (int64_t j = 0; j < n;) {
-    const int64_t pos = first + j, index = pos / p.S, offset = pos - index * p.S;
-    const int64_t page = table[index], m = std::min(n - j, p.S - offset);
-    j += m;
-    if (page < 0 || page >= p.N) continue;
-    for (int64_t i = 0; i < m; ++i) {  // one token's kv heads [head, head + heads)
-      const int64_t at = (page * p.S + offset + i) * p.K + head;
-      touch(kp + at * kbytes, heads * kbytes);
-      touch(vp + at * vbytes, heads * vbytes);
-    }
+  for (int64_t j = 0; j < n; ++j) {
+    if (b.k[j] == nullptr) continue;  // an unallocated page
+    touch(b.k[j], heads * p.D * static_cast<int64_t>(sizeof(E)));
+    touch(b.v[j], heads * p.Dv * static_cast<int64_t>(sizeof(E)));
   }
 }
 
@@ -297,9 +286,9 @@ void run_item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, 
   Pending w;
   for (int64_t first = it.key_begin; first < it.key_end; first += kBlock) {
     const int64_t n = std::min(kBlock, it.key_end - first);
-    touch_block<E>(p, t, r, it.head, p.item_heads, first, n);
     for (int64_t h = 0; h < p.item_heads; ++h) {
       fill_block(p, t, r, it.head + h, first, n, &b);
+      if (h == 0) touch_block(p, b, n, p.item_heads);
       if (transpose) transpose_block(p, b, n, kt);
       head_block(p, t, r, it.head + h, first, n, b, transpose ? kt : nullptr, s,
                  state + h * per_head, &w);
