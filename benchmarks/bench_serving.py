@@ -21,8 +21,8 @@ Figures, all from one process:
   slots) and ``requests x capacity`` (the static batch's cache).
 * **decode step at 10% vs 100% filled.** One decoding step of ``slots`` rows through the
   model on paged caches whose page tables are 10% and 100% of the capacity wide, rows
-  filled to match; and the contiguous ``KVCache`` step, which attends over its whole
-  capacity whatever is filled; and the paged step with one page per row, the part of a
+  filled to match; and the contiguous ``KVCache`` step (on CPU with the kernel, read in
+  place up to each row's length too; elsewhere over its whole capacity); and the paged step with one page per row, the part of a
   step that does not follow the tokens held (over the 100% step: the least the 10% /
   100% ratio can be with that step as it is; a faster attention raises it). Medians of
   ``--step-repeats`` calls, the candidates in turn: once one call at a time (each call
@@ -247,7 +247,7 @@ def int8_logit_error(
     return error, agree
 
 
-def _contiguous_step(graphdef, state, caches, tokens):
+def contiguous_step(graphdef, state, caches, tokens):
     model = nnx.merge(graphdef, state)
     for block, cache in zip(model.trf_blocks, caches, strict=True):
         block.att.cache = nnx.Cache(cache)
@@ -255,14 +255,14 @@ def _contiguous_step(graphdef, state, caches, tokens):
     return logits[:, -1].argmax(-1), [b.att.cache.get_value() for b in model.trf_blocks]
 
 
-def _from_leaves(step, graphdef, treedef, leaves, *args):
+def from_leaves(step, graphdef, treedef, leaves, *args):
     """``step(graphdef, state, *args)`` with the state passed as its flat leaves, as
     ``generate_many`` passes it (flattening an ``nnx.State`` on every call costs about
     0.2 ms, as much as a small step's attention)."""
     return step(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
 
-def _interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
+def interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
     """Median seconds of each ``state = step(state)`` in ``steps`` ({name: (step, state)}),
     the candidates called in turn every round so that background load hits them alike.
 
@@ -297,14 +297,14 @@ def _ratio_quartiles(times: dict, a, b, repeats: int) -> tuple[float, float]:
 def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int):
     """Seconds of one decoding step at 10% and 100% filled, ``(one call at a time, in runs
     of BURST consecutive calls, the quartiles over rounds of the paged 10% / 100% ratio in
-    each)`` (:func:`_interleaved_medians`).
+    each)`` (:func:`interleaved_medians`).
 
     Four candidates per fill: the whole model on paged caches as ``generate_many``'s
     decoding step runs it (``"paged"``: through the fused CPU paged kernel where it runs,
     else over the work list of the key blocks the rows hold; rows filled to 10% or 100% of
     the capacity) and over a page table 10% or 100% of the capacity wide (``"table"``),
-    the model on contiguous ``KVCache``s (which attend over the whole capacity whatever is
-    filled), and one attention layer alone (``jattn.paged.update_and_attend`` over the page
+    the model on contiguous ``KVCache``s (through the same fused kernel, which reads each
+    row's filled positions in place; elsewhere over the whole capacity), and one attention layer alone (``jattn.paged.update_and_attend`` over the page
     table, the model's head layout); and the ``"paged"`` step with one page per row, the
     part of a step that does not follow the tokens held (after the 100% one in each
     round). The lengths stay put between calls (each call rewrites the same position), so
@@ -318,9 +318,9 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     max_pages = paged.pages_needed(capacity, page_size)
     tokens = jnp.zeros((slots, 1), jnp.int32)
     full_table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)
-    paged_fn = jax.jit(partial(_from_leaves, _paged_step, graphdef, treedef), donate_argnums=1)
+    paged_fn = jax.jit(partial(from_leaves, _paged_step, graphdef, treedef), donate_argnums=1)
     contiguous_fn = jax.jit(
-        partial(_from_leaves, _contiguous_step, graphdef, treedef), donate_argnums=1
+        partial(from_leaves, contiguous_step, graphdef, treedef), donate_argnums=1
     )
     layer_fn = jax.jit(paged.update_and_attend, donate_argnums=0)
     rng = np.random.default_rng(2)
@@ -383,9 +383,9 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
         steps[("table", fill)] = (table_call, pools())
         steps[("contiguous", fill)] = (contiguous, caches)
         steps[("layer", fill)] = (layer_call, empty)
-    single, states, times = _interleaved_medians(steps, repeats)
+    single, states, times = interleaved_medians(steps, repeats)
     steps = {k: (step, states[k]) for k, (step, _) in steps.items()}
-    runs, _, run_times = _interleaved_medians(steps, repeats, BURST)
+    runs, _, run_times = interleaved_medians(steps, repeats, BURST)
     pair = ("paged", 0.1), ("paged", 1.0)
     spread = (
         _ratio_quartiles(times, *pair, repeats),
@@ -397,10 +397,10 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
 def greedy_pick(slots: int, vocab: int, repeats: int) -> tuple[float, float]:
     """Median seconds of the greedy pick of ``[slots, vocab]`` float32 logits: jattn's
     (``generate.sample_next``, on CPU the kernel ``jattn.kernels.cpu.argmax``) and
-    ``jnp.argmax``'s, jitted and called in turn (:func:`_interleaved_medians`)."""
+    ``jnp.argmax``'s, jitted and called in turn (:func:`interleaved_medians`)."""
     logits = jnp.asarray(np.random.default_rng(3).normal(size=(slots, vocab)), jnp.float32)
     ours, peer = jax.jit(generate.sample_next), jax.jit(partial(jnp.argmax, axis=-1))
-    medians, _, _ = _interleaved_medians(
+    medians, _, _ = interleaved_medians(
         {"ours": (lambda _: ours(logits), None), "peer": (lambda _: peer(logits), None)}, repeats
     )
     return medians["ours"], medians["peer"]

@@ -27,6 +27,17 @@ queries (``t >= num_new[b]``) attend nothing: zero output, as
 All shapes are fixed (the key axis is always ``capacity``), so a jitted decode step
 compiles once, whatever the lengths.
 
+**Cost follows the tokens held.** On CPU, with jattn's fused kernel built, a plain call
+(causal or full attention; ``scale``, ``dtype``, ``implementation`` None or
+``'cpu_fused'``; no mask, window, modifiers, sinks, dropout or weights; float32, bfloat16
+or float16) of up to :data:`jattn.paged.FUSED_MAX_QUERIES` tokens per row (decoding
+steps, prefill chunks) attends through :func:`jattn.kernels.cpu.paged_attention`, the
+cache read in place as one page per row, and only each row's positions below its length:
+a step early in a long cache costs what its tokens cost, not the capacity. Its
+derivatives are the XLA formulation's. :func:`fused` says whether a call takes it; any
+other call attends over the whole capacity through :func:`jattn.dot_product_attention`
+with the mask below (the same result; a rolling cache always does).
+
 **Modifiers.** :func:`attend` and :func:`update_and_attend` take FlexAttention's
 ``score_mod`` and ``mask_mod`` (:mod:`jattn.mods`) and ``sinks``, as
 :func:`jattn.dot_product_attention`, with *absolute* positions: ``q_idx`` of query ``t``
@@ -80,7 +91,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, functional
+from jattn import _checks, _fused_cache, functional
 from jattn import masks as masks_lib
 from jattn._util import softmax_dtype
 
@@ -93,6 +104,7 @@ __all__ = [
     "capacity",
     "decode_mask",
     "fits",
+    "fused",
     "init_cache",
     "init_paged_cache",  # noqa: F822
     "rolling_mask",
@@ -582,8 +594,26 @@ def attend(
     )  # fmt: skip
 
 
+def fused(cache: AnyCache, query=None, attend_kwargs=None) -> bool:
+    """Whether :func:`update_and_attend` (and :func:`attend`) on ``cache`` run the fused CPU
+    paged kernel (:func:`jattn.kernels.cpu.paged_attention`, the cache read as one page
+    per row): a :class:`KVCache` (not a rolling one) on a CPU host with the kernel built,
+    a plain causal or full call (the keywords ``is_causal``, a Python ``scale``, ``dtype``
+    and ``implementation`` None or ``'cpu_fused'``; no mask, window, modifiers, sinks,
+    dropout or weights), float32, bfloat16 or float16 caches and queries, and chunks of up
+    to :data:`jattn.paged.FUSED_MAX_QUERIES` tokens. ``query``/``attend_kwargs`` None: the
+    cache alone."""
+    if type(cache) is not KVCache:
+        return False
+    kwargs = {} if attend_kwargs is None else attend_kwargs
+    return _fused_cache.takes((cache.keys.dtype, cache.values.dtype), query, kwargs)
+
+
 def _attend(cache, query, starts, num_new, mask, is_causal, window, modifiers, kwargs):
     """:func:`attend` of validated arguments (``modifiers``: ``(score_mod, mask_mod)``)."""
+    own = dict(mask=mask, is_causal=is_causal, local_window_size=window)
+    if fused(cache, query, dict(kwargs, **own, score_mod=modifiers[0], mask_mod=modifiers[1])):
+        return _attend_fused(cache, query, starts, num_new, kwargs, is_causal)
     decoding = _decode_mask(
         starts, cache.lengths, query.shape[-3], capacity(cache), num_new, is_causal, window
     )
@@ -597,6 +627,17 @@ def _attend(cache, query, starts, num_new, mask, is_causal, window, modifiers, k
         mask_mod=mask_mod,
         **kwargs,
     )
+
+
+def _attend_fused(cache: KVCache, query, starts, num_new, kwargs, is_causal: bool):
+    """The fused kernel's attention over ``cache`` read as a pool of one page per row."""
+    rows = int(np.prod(cache.lengths.shape, dtype=np.int64))
+    k_pages, v_pages = (x.reshape(rows, *x.shape[-3:]) for x in (cache.keys, cache.values))
+    table = jnp.arange(rows, dtype=jnp.int32).reshape(*cache.lengths.shape, 1)
+    return _fused_cache.attend(
+        query, k_pages, v_pages, table, starts, num_new, cache.lengths,
+        dict(kwargs, is_causal=is_causal),
+    )  # fmt: skip
 
 
 def _check_attention_kwargs(attention_kwargs, where: str) -> None:

@@ -81,8 +81,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, functional, kvcache
-from jattn.kernels import cpu as cpu_kernels
+from jattn import _checks, _fused_cache, functional, kvcache
 
 __all__ = [
     "FUSED_MAX_QUERIES",
@@ -541,9 +540,9 @@ def update_and_attend(cache: PagedKVCache, query, key, value, *, num_new=None, *
     key, value, num_new = _check_chunk(cache, key, value, num_new)
     query = _check_query(query, key)
     updated = _append(cache, key, value, num_new)
-    if _plain(attend_kwargs) and fused(cache, query, attend_kwargs):
+    if fused(cache, query, attend_kwargs):
         out = _attend_fused(updated, query, cache.lengths, num_new, attend_kwargs)
-    elif cache.blocks is not None and _plain(attend_kwargs):
+    elif cache.blocks is not None and _fused_cache.plain(attend_kwargs):
         _check_blocks(cache, num_new)
         out = _attend_blocks(updated, query, cache.lengths, num_new, attend_kwargs)
     else:
@@ -605,27 +604,8 @@ def _check_blocks(cache: PagedKVCache, num_new: Array) -> None:
             )
 
 
-# The keywords the block path passes on; with any other one set (a mask, a modifier, sinks,
-# a window, dropout, weights) a call takes the page-table path, which honours them all.
-_BLOCK_PASSED = ("is_causal", "dtype", "precision", "implementation", "scale")
-_DROPOUT = ("dropout_rate", "dropout_rng", "deterministic", "broadcast_dropout")
-
-
-def _plain(kwargs: dict) -> bool:
-    """Whether the block path computes this call: plain causal (or full) attention."""
-    dropout_off = not kwargs.get("dropout_rate") or kwargs.get("deterministic") is True
-    if not isinstance(kwargs.get("is_causal", True), bool):
-        return False  # the page-table path names the error
-    rest = (v for k, v in kwargs.items() if k not in _BLOCK_PASSED and k not in _DROPOUT)
-    return dropout_off and all(v is None or v is False for v in rest)
-
-
-_FUSED_DTYPES = ("float32", "bfloat16", "float16")
-# The most queries per row (chunk length) the fused paged kernel takes: past it the
-# attention's arithmetic outweighs the gather, and XLA's gather plus the tiled kernel is
-# as fast (measured on the AVX-512 EPYC, one thread: the paged kernel 1.7-3x faster up
-# to 64 queries against 1000 keys, 1.1x at 256, even at 1024).
-FUSED_MAX_QUERIES = 256
+# The most queries per row (chunk length) the fused paged kernel takes.
+FUSED_MAX_QUERIES = _fused_cache.MAX_QUERIES
 
 
 def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
@@ -636,39 +616,15 @@ def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
     queries of the first three and chunks of up to :data:`FUSED_MAX_QUERIES` tokens
     (decoding steps, prefill chunks). ``query``/``attend_kwargs`` None: the cache alone."""
     kwargs = {} if attend_kwargs is None else attend_kwargs
-    if not _plain(kwargs) or kwargs.get("implementation") not in (None, "cpu_fused"):
-        return False
-    if query is not None and jnp.ndim(query) >= 3 and jnp.shape(query)[-3] > FUSED_MAX_QUERIES:
-        return False
-    scale, dtype = kwargs.get("scale"), kwargs.get("dtype")
-    static_scale = scale is None or (
-        isinstance(scale, (numbers.Real, np.number)) and not isinstance(scale, bool)
-    )
-    if kwargs.get("precision") is not None or not static_scale:
-        return False
-    dtypes = [cache.k_pages.dtype] + ([] if query is None else [jnp.asarray(query).dtype])
-    dtypes += [] if dtype is None else [dtype]
-    if cache.k_pages.dtype == jnp.int8:
-        dtypes = dtypes[1:]
-    if any(jnp.dtype(d).name not in _FUSED_DTYPES for d in dtypes):
-        return False
-    return jax.default_backend() == "cpu" and cpu_kernels.available()
+    return _fused_cache.takes((cache.k_pages.dtype, cache.v_pages.dtype), query, kwargs)
 
 
 def _attend_fused(cache: PagedKVCache, query: Array, starts: Array, num_new: Array, kwargs):
-    """Attention through the fused CPU paged kernel (reads the pages in place), in the
-    computation dtype :func:`jattn.kvcache.attend` gives: ``dtype``, or the promoted one."""
-    width = cache.page_table.shape[-1]
-    rows = int(np.prod(cache.lengths.shape, dtype=np.int64))
-    kv = [jnp.float32 if x.dtype == jnp.int8 else x.dtype for x in (cache.k_pages, cache.v_pages)]
-    dtype = kwargs.get("dtype") or jnp.result_type(query.dtype, *kv)
-    out = cpu_kernels.paged_attention(
-        query.reshape(rows, *query.shape[-3:]), cache.k_pages, cache.v_pages,
-        cache.page_table.reshape(rows, width), starts.reshape(rows), num_new.reshape(rows),
-        cache.lengths.reshape(rows), is_causal=kwargs.get("is_causal", True),
-        scale=kwargs.get("scale"), k_scales=cache.k_scales, v_scales=cache.v_scales,
+    """Attention through the fused CPU paged kernel (reads the pages in place)."""
+    return _fused_cache.attend(
+        query, cache.k_pages, cache.v_pages, cache.page_table, starts, num_new, cache.lengths,
+        kwargs, (cache.k_scales, cache.v_scales),
     )  # fmt: skip
-    return out.reshape(*query.shape[:-1], out.shape[-1]).astype(dtype)
 
 
 def _attend_blocks(cache: PagedKVCache, query: Array, starts: Array, num_new: Array, kwargs):
@@ -699,7 +655,7 @@ def _attend_blocks(cache: PagedKVCache, query: Array, starts: Array, num_new: Ar
     mask = listed[:, None, None] & (t < real[:, None, None]) & (pos_k < lengths_r[:, None, None])
     if kwargs.get("is_causal", True):
         mask = mask & (pos_k <= starts_r[:, None, None] + t)
-    passed = {k: v for k, v in kwargs.items() if k in _BLOCK_PASSED and k != "is_causal"}
+    passed = {k: v for k, v in kwargs.items() if k in _fused_cache.PASSED and k != "is_causal"}
     q = query.reshape(rows, *query.shape[-3:])[r]  # [N, T, H, D]
     out, lse = functional.dot_product_attention(
         q, keys.keys, keys.values, mask=mask[:, None], return_residual=True, **passed

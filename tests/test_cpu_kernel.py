@@ -736,8 +736,9 @@ def test_split_kv_decoding(tq, monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("capacity", [200, 1100])
 def test_kv_cache_decoding_runs_fused(capacity, monkeypatch):
-    """A decoding step through jattn.kvcache (its mask array) takes the fused kernel by the
-    automatic rule and equals the dense path."""
+    """A decoding step through jattn.kvcache: a plain one reads the cache in place through
+    the paged kernel (no routing), one with a mask array takes this kernel by the automatic
+    rule; both equal the dense path."""
     rng = np.random.default_rng(capacity)
     cache = jattn.kvcache.init_cache(2, capacity, 2, 16)
 
@@ -755,10 +756,17 @@ def test_kv_cache_decoding_runs_fused(capacity, monkeypatch):
         return chosen[-1]
 
     monkeypatch.setattr(_routing, "choose", spy)
-    out, _ = jattn.kvcache.update_and_attend(cache, *step)
-    assert chosen == ["cpu_fused"]
     want, _ = jattn.kvcache.update_and_attend(cache, *step, implementation="dense")
-    assert_close(out, want, 1e-5, "decode step vs dense")
+    plain, _ = jattn.kvcache.update_and_attend(cache, *step)
+    assert chosen == ["dense"]  # the paged kernel's call does not route
+    mask = jnp.asarray(rng.random((2, 4, 1, capacity)) < 0.9).at[..., :1].set(True)
+    masked, _ = jattn.kvcache.update_and_attend(cache, *step, mask=mask)
+    assert chosen == ["dense", "cpu_fused"]
+    masked_dense, _ = jattn.kvcache.update_and_attend(
+        cache, *step, mask=mask, implementation="dense"
+    )
+    assert_close(plain, want, 1e-5, "plain decode step vs dense")
+    assert_close(masked, masked_dense, 1e-5, "masked decode step vs dense")
 
 
 def _documents(batch, t, seed):

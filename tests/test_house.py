@@ -29,7 +29,7 @@ FLOORS = [
     ("jattn.dense", "jattn.blockwise", "jattn.kernels", "jattn.ring"),
     ("jattn._routing",),
     ("jattn.functional",),
-    ("jattn.kvcache", "jattn.paged", "jattn.packing", "jattn.generate"),
+    ("jattn._fused_cache", "jattn.kvcache", "jattn.paged", "jattn.packing", "jattn.generate"),
     ("jattn._module_utils", "jattn.linen", "jattn.nnx"),
     ("jattn.models", "jattn.toy"),
     ("jattn",),

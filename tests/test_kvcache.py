@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 
 from jattn import kvcache as kv
+from jattn.kernels import cpu as cpu_kernels
+from tests.reference import np_attention
 
 B, CAP, H, K, D = 3, 12, 4, 2, 5
 
@@ -444,3 +446,136 @@ def test_rolling_cache_refuses_attend_after_append(rng):
         kv.attend(cache, q, starts=jnp.zeros(B, jnp.int32))
     with pytest.raises(TypeError, match="rolling must be a Python bool"):
         kv.init_cache(B, 4, K, D, rolling=1)
+
+
+# ----------------------------------------------------------------------------------------
+# The fused CPU kernel: a plain call reads the cache in place up to each row's length
+# ----------------------------------------------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available() or jax.default_backend() != "cpu",
+    reason="the fused CPU kernel is not built",
+)
+
+jit_attend = jax.jit(kv.update_and_attend, static_argnames=("is_causal", "implementation"))
+
+
+def filled(rng, batch, capacity, starts, chunk, heads=(4, 2), dims=(16, 16)):
+    """A cache holding ``starts`` random tokens per row (``[*batch]``) and a chunk."""
+    (h, kh), (d, dv) = heads, dims
+    cache = kv.init_cache(batch, capacity, kh, d, v_head_dim=dv)
+    longest = max(int(np.max(starts)), 1)
+
+    def draw(t, n, dim):
+        return jnp.asarray(rng.normal(size=(*batch, t, n, dim)), jnp.float32)
+
+    starts = jnp.asarray(starts, jnp.int32).reshape(batch)
+    cache = kv.append(cache, draw(longest, kh, d), draw(longest, kh, dv), num_new=starts)
+    return cache, (draw(chunk, h, d), draw(chunk, kh, d), draw(chunk, kh, dv))
+
+
+def np_decode_reference(after, q, starts, num_new, causal):
+    """float64: each row's real queries (stored ones: ``starts + t < capacity``) over the
+    keys written after the chunk (causal per row); the rest zeros."""
+    cap, t = after.keys.shape[-3], q.shape[-3]
+    starts, num_new, lengths = (np.asarray(x)[..., None, None, None]
+                                for x in (starts, num_new, after.lengths))  # fmt: skip
+    pos = starts + np.arange(t)[:, None]  # [*batch, 1, T, 1]
+    j = np.arange(cap)
+    mask = (np.arange(t)[:, None] < np.minimum(num_new, cap - starts)) & (j < lengths)
+    if causal:
+        mask = mask & (j <= pos)
+    return np_attention(q, after.keys, after.values, mask=mask)
+
+
+FUSED_CASES = [  # (batch, capacity, chunk, causal, heads, dims, starts, num_new)
+    ((4,), 130, 1, True, (4, 2), (16, 16), [0, 37, 5, 130], [1, 1, 0, 1]),  # decode; a full row
+    ((2, 3), 40, 5, True, (4, 4), (8, 8), [[0, 9, 33], [37, 1, 20]], [[5, 3, 0], [5, 5, 2]]),
+    ((3,), 24, 4, False, (6, 2), (12, 7), [9, 0, 20], [2, 4, 4]),  # not causal, dv != d
+    ((2,), 1300, 1, True, (8, 4), (32, 32), [1250, 600], [1, 1]),  # rows over key splits
+    ((2,), 96, 64, True, (2, 1), (16, 16), [0, 30], [64, 50]),  # a prefill chunk
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+def test_fused_kernel_equals_numpy_and_the_dense_path(case):
+    """Ragged rows, padding queries, a row of length 0, overflow under jit (a chunk past
+    the capacity: those queries attend nothing), GQA, several batch dims."""
+    batch, cap, chunk, causal, heads, dims, starts, num_new = case
+    rng = np.random.default_rng(cap + chunk)
+    cache, (q, k, v) = filled(rng, batch, cap, starts, chunk, heads, dims)
+    assert kv.fused(cache, q, {}) and kv.fused(cache)
+    n = jnp.asarray(num_new, jnp.int32)
+    out, after = jit_attend(cache, q, k, v, num_new=n, is_causal=causal)
+    dense, _ = jit_attend(cache, q, k, v, num_new=n, is_causal=causal, implementation="xla")
+    want = np_decode_reference(after, q, starts, num_new, causal)
+    assert out.dtype == dense.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out, dense, rtol=2e-5, atol=2e-5)
+    # attend() after append() takes the same route
+    again = jax.jit(kv.attend, static_argnames="is_causal")(
+        after, q, starts=cache.lengths, num_new=n, is_causal=causal
+    )
+    np.testing.assert_array_equal(again, out)
+
+
+@needs_kernel
+def test_a_plain_step_runs_the_kernel_and_any_other_keyword_the_dense_path():
+    rng = np.random.default_rng(1)
+    cache, (q, k, v) = filled(rng, (2,), 32, [5, 9], 1)
+
+    def hlo(**kw):
+        f = jax.jit(lambda c, *x: kv.update_and_attend(c, *x, **kw)[0])
+        return f.trace(cache, q, k, v).lower().as_text()
+
+    assert "jattn_cpu_paged_attention" in hlo()
+    assert "jattn_cpu_paged_attention" in hlo(scale=0.3, dtype=jnp.float32, deterministic=True)
+    others = [
+        dict(implementation="xla"), dict(mask=jnp.ones((2, 4, 1, 32), bool)),
+        dict(local_window_size=(4, 0)), dict(sinks=jnp.zeros(4)),
+        dict(score_mod=lambda s, b, h, qi, ki: s), dict(precision="highest"),
+        dict(dropout_rate=0.5, dropout_rng=jax.random.key(0)),
+    ]  # fmt: skip
+    for kw in others:
+        assert "jattn_cpu_paged_attention" not in hlo(**kw), kw
+        assert not kv.fused(cache, q, kw), kw
+    assert not kv.fused(cache, jnp.zeros((2, 257, 4, 16)), {})  # a chunk past 256 queries
+    assert not kv.fused(kv.init_cache(2, 8, 2, 16, rolling=True))
+    assert not kv.fused(cache, q.astype(jnp.float16), {"dtype": jnp.int32})
+
+
+@needs_kernel
+def test_fused_kernel_in_half_precision_gives_the_dense_paths_dtype():
+    rng = np.random.default_rng(2)
+    cache, chunk = filled(rng, (2,), 64, [30, 3], 1)
+    cache = cache._replace(keys=cache.keys.astype(jnp.bfloat16),
+                           values=cache.values.astype(jnp.bfloat16))  # fmt: skip
+    q, k, v = (x.astype(jnp.bfloat16) for x in chunk)
+    assert kv.fused(cache, q, {})
+    out, _ = jit_attend(cache, q, k, v)
+    dense, _ = jit_attend(cache, q, k, v, implementation="xla")
+    assert out.dtype == dense.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(np.float32), dense.astype(np.float32), atol=2e-2)
+
+
+@needs_kernel
+def test_fused_kernel_gradient_equals_the_dense_paths():
+    """Through the chunk and the cache's buffers; a padding query's gradient is zero."""
+    rng = np.random.default_rng(3)
+    cache, chunk = filled(rng, (3,), 20, [7, 0, 12], 3)
+    n = jnp.asarray([3, 2, 0])
+    weights = jnp.asarray(rng.normal(size=(3, 3, 4, 16)), jnp.float32)
+
+    def loss(chunk, keys, values, **kw):
+        c = cache._replace(keys=keys, values=values)
+        out, _ = kv.update_and_attend(c, *chunk, num_new=n, **kw)
+        return jnp.sum(out * weights)
+
+    args = (chunk, cache.keys, cache.values)
+    fused = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    dense = jax.jit(jax.grad(lambda *a: loss(*a, implementation="xla"), argnums=(0, 1, 2)))(*args)
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(dense), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(fused[0][0][1, 2:], 0.0)  # row 1's padding query
+    np.testing.assert_array_equal(fused[0][0][2], 0.0)  # row 2: no real query
