@@ -572,6 +572,45 @@ def test_fused_paged_kernel_in_half_precision_gives_the_xla_paths_dtype():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_fused_paged_kernel_reads_half_pages_in_place_as_float32(dtype):
+    """16-bit pools go to the kernel as they are (no float32 copy of the pool per call) and
+    read as float32 exactly: the result is the pools converted first, to float32 rounding
+    (the builds contract multiply-adds as the compiler chooses), and numpy's. Values read
+    back bit for bit (float16 subnormals and extremes); head sizes with scalar tails;
+    several rows (items of whole token records) and a row over key splits."""
+    rng = np.random.default_rng(11)
+    rows, chunk, (h, kh), (d, dv), pool, page = 5, 3, (8, 4), (37, 19), 90, 16
+    table = rng.permutation(pool)[: rows * 18].reshape(rows, 18).astype(np.int32)
+    k_pages, v_pages = (
+        rng.normal(size=(pool, page, kh, d)) * 3,
+        rng.normal(size=(pool, page, kh, dv)),
+    )
+    # row 0's first query sees its first key alone: its output is that key's values, read
+    # back: float16 subnormals, the smallest normal, the largest finite, a negative zero
+    extremes = [6e-8, -3e-5, 6.1e-5, 65504.0, -0.0, 1.5, -(2.0**-20)]
+    v_pages[table[0, 0], 0, :, : len(extremes)] = extremes
+    k_pages, v_pages, table = (
+        jnp.asarray(k_pages, dtype),
+        jnp.asarray(v_pages, dtype),
+        jnp.asarray(table),
+    )
+    starts, num_new = jnp.asarray([0, 30, 100, 270, 7]), jnp.asarray([3, 2, 3, 1, 0])
+    args = (table, starts, num_new, starts + num_new)
+    q = jnp.asarray(rng.normal(size=(rows, chunk, h, d)), jnp.float32)
+    op = jax.jit(cpu_kernels.paged_attention)
+    assert "convert" not in op.trace(q, k_pages, v_pages, *args).lower().as_text()
+    got = op(q, k_pages, v_pages, *args)
+    first = op(q, k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), *args)
+    np.testing.assert_allclose(got, first, rtol=1e-6, atol=1e-6)
+    stored = np.repeat(np.asarray(v_pages[table[0, 0], 0], np.float32), h // kh, axis=0)
+    np.testing.assert_array_equal(got[0, 0], stored)  # bit for bit
+    cache = paged.PagedKVCache(k_pages, v_pages, table, starts + num_new)
+    want = np_paged_reference(cache, q, np.asarray(starts), np.asarray(num_new), causal=True)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_fused_paged_kernel_is_bit_identical_with_one_and_two_threads(monkeypatch):
     rng = np.random.default_rng(6)
     cache, (q, k, v) = filled_cache(rng, [1100, 40, 600], [1, 5, 3], page=16, chunk=5)
@@ -637,8 +676,10 @@ from jattn.kernels.cpu import status
 assert f"on: {sys.argv[1]} " in status(), status()
 rng = np.random.default_rng(0)
 starts, num_new = np.array([1100, 37, 0, 5]), np.array([3, 2, 0, 1])  # a split row
-for int8 in (False, True):
-    cache = paged.init_paged_cache(4, 90, 16, 72, 2, 37, v_head_dim=19, quantized=int8)
+for int8, dtype in ((False, jnp.float32), (True, jnp.float32), (False, jnp.bfloat16),
+                    (False, jnp.float16)):
+    cache = paged.init_paged_cache(4, 90, 16, 72, 2, 37, v_head_dim=19, quantized=int8,
+                                   dtype=dtype)
     table, ids = np.full((4, 72), 90, np.int32), rng.permutation(90)
     table[0, :69], table[1, :3], table[3, :1] = ids[:69], ids[69:72], ids[72:73]
     cache = cache._replace(page_table=jnp.asarray(table))
@@ -651,8 +692,8 @@ for int8 in (False, True):
             return jax.jit(lambda c, *x: paged.update_and_attend(
                 c, *x, num_new=jnp.asarray(num_new), is_causal=causal,
                 implementation=implementation)[0])(cache, q, k, v)
-        err = float(jnp.abs(f() - f("xla")).max())
-        print(int8, causal, "max error", err)
+        err = float(jnp.abs(f().astype(jnp.float32) - f("xla").astype(jnp.float32)).max())
+        print(int8, dtype.__name__, causal, "max error", err)
         assert err < 2e-5, err
 """
 

@@ -51,7 +51,9 @@ def paged_attention(
 
     Args:
       query: ``[R, T, H, D]`` float (float32, bfloat16 or float16; computed in float32).
-      k_pages: ``[N, S, K, D]``: the key pool (float, or int8 with ``k_scales``).
+      k_pages: ``[N, S, K, D]``: the key pool: float32, bfloat16 or float16 (read in
+        place as float32, exactly: no float32 copy of the pool), or int8 with
+        ``k_scales``.
       v_pages: ``[N, S, K, Dv]``: the value pool.
       page_table: int32 ``[R, P]``: position ``p`` of row ``r`` is at offset ``p % S`` of
         page ``page_table[r, p // S]``; an entry outside ``[0, N)`` is unallocated: never
@@ -86,7 +88,9 @@ def paged_attention(
 
 
 def _check_arrays(query, k_pages, v_pages, k_scales, v_scales):
-    """The float operands: query and float pools as float32, int8 pools with scales."""
+    """The operands: the query as float32; float32, bfloat16 or float16 pools as they are
+    (the kernel reads them as float32, exactly; pools of two float types as float32), int8
+    pools with scales."""
     query, k_pages, v_pages = (jnp.asarray(x) for x in (query, k_pages, v_pages))
     if query.ndim != 4 or k_pages.ndim != 4 or v_pages.ndim != 4:
         raise ValueError(
@@ -116,7 +120,8 @@ def _check_arrays(query, k_pages, v_pages, k_scales, v_scales):
         for x in (k_pages, v_pages):
             if jnp.dtype(x.dtype).name not in _FLOATS:
                 raise TypeError(f"pools must be float32, bfloat16, float16 or int8, got {x.dtype}.")
-        k_pages, v_pages = k_pages.astype(jnp.float32), v_pages.astype(jnp.float32)
+        if k_pages.dtype != v_pages.dtype:  # the kernel reads one element type for both
+            k_pages, v_pages = k_pages.astype(jnp.float32), v_pages.astype(jnp.float32)
     return query.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales
 
 

@@ -625,13 +625,19 @@ ffi::Error paged_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd
   p->P = td[1];
   p->scale = scale;
   p->causal = causal != 0;
-  p->int8 = kt == ffi::DataType::S8;
   if (kd[3] != p->D || vd[0] != p->N || vd[1] != p->S || vd[2] != p->K || td[0] != p->R ||
       p->K == 0 || p->H % p->K != 0 || p->S == 0)
     return ffi::Error::InvalidArgument("jattn paged attention: shapes do not match");
-  if (kt != vt || (kt != ffi::DataType::S8 && kt != ffi::DataType::F32))
+  switch (kt) {
+    case ffi::DataType::F32: p->page = PageType::kF32; break;
+    case ffi::DataType::BF16: p->page = PageType::kBF16; break;
+    case ffi::DataType::F16: p->page = PageType::kF16; break;
+    case ffi::DataType::S8: p->page = PageType::kS8; break;
+    default: kt = ffi::DataType::INVALID;
+  }
+  if (kt != vt || kt == ffi::DataType::INVALID)
     return ffi::Error::InvalidArgument(
-        "jattn paged attention: pages must be both float32 or both int8");
+        "jattn paged attention: pages must be both float32, bfloat16, float16 or int8");
   return ffi::Error::Success();
 }
 
@@ -705,7 +711,7 @@ ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
                                 page_table.dimensions(), k_pages.element_type(),
                                 v_pages.element_type(), scale, causal, &p);
   if (err.failure()) return err;
-  if (p.int8 && (k_scales.element_count() != static_cast<size_t>(p.N * p.S * p.K) ||
+  if (p.page == PageType::kS8 && (k_scales.element_count() != static_cast<size_t>(p.N * p.S * p.K) ||
                  v_scales.element_count() != static_cast<size_t>(p.N * p.S * p.K)))
     return ffi::Error::InvalidArgument("jattn paged attention: int8 pages need their scales");
   // Each row's real queries (capped at the table's capacity past its start) and length.

@@ -2,7 +2,8 @@
 // of ffi.cc) and the per-ISA kernels (paged_<isa>.cc, from paged_impl.h) share.
 //
 // Layouts (row-major): q [R, T, H, D]; k_pages [N, S, K, D] and v_pages [N, S, K, Dv],
-// float32 or int8 with float32 scales [N, S, K] (key = k_pages * k_scales); page_table int32
+// float32, bfloat16, float16 (read as float32, exactly), or int8 with float32 scales
+// [N, S, K] (key = k_pages * k_scales); page_table int32
 // [R, P] (position p of row r is at offset p % S of page page_table[r, p / S]; an entry
 // outside [0, N) is unallocated and never read: its keys and values count as zeros);
 // out [R, T, H, Dv].
@@ -15,17 +16,19 @@
 
 namespace jattn {
 
+enum class PageType { kF32, kBF16, kF16, kS8 };
+
 struct PagedParams {
   int64_t R, T, H, K, D, Dv, N, S, P;
   int64_t item_heads = 1;  // kv heads per work item (1 or K), set with the items
   float scale;
   bool causal;
-  bool int8;  // int8 pages with float32 scales
+  PageType page;  // the pages' element type (int8: with float32 scales)
 };
 
 struct PagedTensors {
   const float* q = nullptr;
-  const void* k = nullptr;  // float or int8_t pages
+  const void* k = nullptr;  // pages of PagedParams::page
   const void* v = nullptr;
   const float* k_scales = nullptr;
   const float* v_scales = nullptr;

@@ -47,13 +47,50 @@ inline vf load(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const vb*>(p), vf);
 }
 
+// 16-bit pages, read as float32 exactly (no rounding: every bfloat16 and float16 value is a
+// float32 value), so a call gives the bits it gives on the pages converted first.
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+typedef uint16_t vh __attribute__((vector_size(W * 2), aligned(1)));
+
+inline vu widen(const uint16_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu);
+}
+
+inline vf load(const bf16* p) { return (vf)(widen(&p->bits) << 16); }
+
+// float16 -> float32 on the bits: normals rebias the exponent (15 -> 127), inf and NaN
+// take the all-ones exponent, subnormals m * 2^-24 come from a float32 normal minus 2^-14
+// (no float32 subnormal is read or made: exact even with denormals flushed).
+inline vf load(const f16* p) {
+  const vu h = widen(&p->bits), u = h & 0x7fffu;
+  const vu normal = (u << 13) + (112u << 23);
+  const vu sub = (vu)((vf)((u << 13) + (113u << 23)) - splat(0x1p-14f));
+  const vu bits = u < 0x400u ? sub : (u >= 0x7c00u ? normal + (112u << 23) : normal);
+  return (vf)(bits | ((h & 0x8000u) << 16));
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return x; }
+inline float to_float(bf16 x) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16);
+}
+inline float to_float(f16 x) {
+  vu h = vu{} + x.bits;  // the vector form, lane 0
+  return load(reinterpret_cast<const f16*>(&h))[0];
+}
+
 template <typename E>
 inline float dot(const float* q, const E* k, int64_t d) {
   vf acc = splat(0.f);
   int64_t i = 0;
   for (; i + W <= d; i += W) acc += load(q + i) * load(k + i);
   float s = hsum(acc);
-  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  for (; i < d; ++i) s += q[i] * to_float(k[i]);
   return s;
 }
 
@@ -63,7 +100,7 @@ inline void axpy(float* acc, float w, const E* v, int64_t n) {
   const vf wv = splat(w);
   int64_t i = 0;
   for (; i + W <= n; i += W) store(acc + i, load(acc + i) + wv * load(v + i));
-  for (; i < n; ++i) acc[i] += w * static_cast<float>(v[i]);
+  for (; i < n; ++i) acc[i] += w * to_float(v[i]);
 }
 
 inline void scale_by(float* acc, float a, int64_t n) {
@@ -102,8 +139,8 @@ void fill_block(const PagedParams& p, const PagedTensors& t, int64_t row, int64_
       const int64_t at = slot + i * p.K;
       b->k[j] = kp + at * p.D;
       b->v[j] = vp + at * p.Dv;
-      b->ks[j] = p.int8 ? t.k_scales[at] : 1.f;
-      b->vs[j] = p.int8 ? t.v_scales[at] : 1.f;
+      b->ks[j] = p.page == PageType::kS8 ? t.k_scales[at] : 1.f;
+      b->vs[j] = p.page == PageType::kS8 ? t.v_scales[at] : 1.f;
     }
   }
 }
@@ -143,7 +180,7 @@ void transpose_block(const PagedParams& p, const Block<E>& b, int64_t n, float* 
       for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = 0.f;
       continue;
     }
-    for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = b.ks[j] * static_cast<float>(b.k[j][d]);
+    for (int64_t d = 0; d < p.D; ++d) kt[d * kBlock + j] = b.ks[j] * to_float(b.k[j][d]);
   }
 }
 
@@ -208,7 +245,7 @@ void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const
     for (int i = 0; i < Q; ++i) {
       float a = acc[i][c] * alpha[i];
       for (int64_t j = 0; j < n; ++j)
-        if (b.v[j] != nullptr) a += s[i][j] * static_cast<float>(b.v[j][c]);
+        if (b.v[j] != nullptr) a += s[i][j] * to_float(b.v[j][c]);
       acc[i][c] = a;
     }
 }
@@ -348,10 +385,12 @@ int64_t scratch_floats(const PagedParams& p) {
 }
 
 void item(const PagedParams& p, const PagedTensors& t, const PagedItem& it, float* scratch) {
-  if (p.int8)
-    run_item<int8_t>(p, t, it, scratch);
-  else
-    run_item<float>(p, t, it, scratch);
+  switch (p.page) {
+    case PageType::kS8: return run_item<int8_t>(p, t, it, scratch);
+    case PageType::kBF16: return run_item<bf16>(p, t, it, scratch);
+    case PageType::kF16: return run_item<f16>(p, t, it, scratch);
+    default: return run_item<float>(p, t, it, scratch);
+  }
 }
 
 }  // namespace
