@@ -603,6 +603,8 @@ def test_fused_paged_kernel_reads_half_pages_in_place_as_float32(dtype):
     got = op(q, k_pages, v_pages, *args)
     first = op(q, k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), *args)
     np.testing.assert_allclose(got, first, rtol=1e-6, atol=1e-6)
+    mixed = op(q, k_pages, v_pages.astype(jnp.float32), *args)  # two types: both as float32
+    np.testing.assert_allclose(mixed, first, rtol=1e-6, atol=1e-6)
     stored = np.repeat(np.asarray(v_pages[table[0, 0], 0], np.float32), h // kh, axis=0)
     np.testing.assert_array_equal(got[0, 0], stored)  # bit for bit
     cache = paged.PagedKVCache(k_pages, v_pages, table, starts + num_new)
