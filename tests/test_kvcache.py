@@ -579,3 +579,22 @@ def test_fused_kernel_gradient_equals_the_dense_paths():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(fused[0][0][1, 2:], 0.0)  # row 1's padding query
     np.testing.assert_array_equal(fused[0][0][2], 0.0)  # row 2: no real query
+
+
+@needs_kernel
+def test_fused_kernel_inside_shard_map():
+    """The kernel's output varies over the manual mesh axes its operands vary over, as the
+    XLA formulation's does (``platform_dependent`` needs both branches' types equal)."""
+    mesh = jax.make_mesh((1,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(4)
+    cache, (q, k, v) = filled(rng, (2,), 32, [5, 9], 1)
+    spec = kv.KVCache(jax.P("b"), jax.P("b"), jax.P("b"))
+
+    def step(cache, q, k, v):
+        return kv.update_and_attend(cache, q, k, v)
+
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, *[jax.P("b")] * 3),
+                            out_specs=(jax.P("b"), spec))  # fmt: skip
+    out, _ = jax.jit(sharded)(cache, q, k, v)
+    want, _ = jit_attend(cache, q, k, v, implementation="xla")
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)

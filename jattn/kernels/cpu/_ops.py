@@ -153,12 +153,12 @@ def transposed_shape(x_shape: tuple[int, ...], block: int) -> tuple[int, ...]:
     return (*batch, kh, e, tk + (-tk % block) + ROW_SKEW)
 
 
-def _varying_axes(*xs) -> frozenset:
+def varying_axes(*xs) -> frozenset:
     """The manual mesh axes (inside ``shard_map``) that any of ``xs`` varies over."""
     return frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(xs)))
 
 
-def _vary(tree, axes: frozenset):
+def vary(tree, axes: frozenset):
     """Every array of ``tree`` cast to vary over ``axes`` (those it does not already), as a
     jax primitive's operands and results are: ``ffi_call`` returns its results unvarying,
     and a custom VJP's cotangents must match their primals' types."""
@@ -189,14 +189,14 @@ def _forward_call(q, k, v, aux: Aux, static: Static):
         **static.attributes(backward=False),
     )
     out, lse, _ = _without_forward_mode(call)(q, k, v, *aux)
-    return _vary((out, lse), _varying_axes(q, k, v, aux))
+    return vary((out, lse), varying_axes(q, k, v, aux))
 
 
 def attention(q: Array, k: Array, v: Array, aux: Aux, static: Static) -> tuple[Array, Array]:
     """``(out, lse)`` of the fused kernel (shapes: module docstring). Inside ``shard_map``
     the operands first vary over the same mesh axes (jax sums the gradient of one that did
     not, such as keys replicated over a head-sharded axis, when it transposes the cast)."""
-    q, k, v, aux = _vary((q, k, v, aux), _varying_axes(q, k, v, aux))
+    q, k, v, aux = vary((q, k, v, aux), varying_axes(q, k, v, aux))
     return _attention(q, k, v, aux, static)
 
 
@@ -237,8 +237,8 @@ def _attention_bwd(static: Static, residuals, cotangents):
         aux.drop_k0, aux.drop_k1, aux.drop_threshold, aux.drop_scale, aux.slopes, aux.bias,
         aux.mask, aux.blocks, aux.tile_mask,
     )  # fmt: skip
-    axes = _varying_axes(q, k, v, aux, d_out, lse)
-    dq, dk, dv, d_slope_rows, d_bias_rows = _vary(results, axes)
+    axes = varying_axes(q, k, v, aux, d_out, lse)
+    dq, dk, dv, d_slope_rows, d_bias_rows = vary(results, axes)
     d_sinks = jnp.zeros_like(aux.sinks)
     if static.has_sinks:
         # d lse_i / d sink = p_sink,i = exp(sink - lse_i); d out_i / d sink = -p_sink,i out_i.

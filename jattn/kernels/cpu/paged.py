@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.kernels.cpu import _library, adapter
+from jattn.kernels.cpu import _library, _ops, adapter
 
 __all__ = ["paged_attention"]
 
@@ -154,11 +154,13 @@ def _fused(q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, len
     call = jax.ffi.ffi_call(_library.PAGED_TARGET, out_type, vmap_method="sequential")
     if k_scales is None:  # placeholders, never read
         k_scales = v_scales = jnp.zeros((1,), jnp.float32)
-    return call(
-        q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths,
-        scale=np.float32(scale), causal=np.int64(causal),
+    operands = (q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths)
+    out = call(
+        *operands, scale=np.float32(scale), causal=np.int64(causal),
         max_threads=np.int64(adapter.max_threads()),
     )  # fmt: skip
+    # inside shard_map: vary over the operands' manual axes, as the XLA formulation does
+    return _ops.vary(out, _ops.varying_axes(*operands))
 
 
 def _xla(q, k_pages, v_pages, k_scales, v_scales, table, starts, num_real, lengths, *, causal,
