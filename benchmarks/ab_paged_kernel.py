@@ -73,6 +73,16 @@ def register(paths: list[str]) -> dict:
     return calls
 
 
+def via_float32(call):
+    """``call`` on the pools converted to float32 inside the jitted call (as jattn passed
+    16-bit pools before the kernel read them in place)."""
+
+    def converted(q, k_pages, v_pages, *rest):
+        return call(q, k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), *rest)
+
+    return jax.jit(converted)
+
+
 def random_call(rng: np.random.Generator) -> tuple:
     """The arguments of one random paged call: 1-8 rows, 1-12 kv heads, GQA groups 1-4,
     chunks of 1-5 queries (some rows with fewer real ones), head_dim 32 or 20, float32 or
@@ -142,8 +152,7 @@ def main(argv=None) -> None:
     if args.same_bits:
         check_same_bits(calls, args.same_bits)
     if args.convert:
-        calls.update({f"{name} via float32": jax.jit(lambda q, k, v, *a, call=call: call(
-            q, k.astype(jnp.float32), v.astype(jnp.float32), *a)) for name, call in calls.items()})  # fmt: skip
+        calls.update({f"{name} via float32": via_float32(call) for name, call in calls.items()})
     rows, heads, dim = args.rows, args.heads, args.head_dim
     width = -(-args.capacity // PAGE)
     rng = np.random.default_rng(0)

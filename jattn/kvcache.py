@@ -611,9 +611,10 @@ def fused(cache: AnyCache, query=None, attend_kwargs=None) -> bool:
 
 def _attend(cache, query, starts, num_new, mask, is_causal, window, modifiers, kwargs):
     """:func:`attend` of validated arguments (``modifiers``: ``(score_mod, mask_mod)``)."""
-    own = dict(mask=mask, is_causal=is_causal, local_window_size=window)
-    if fused(cache, query, dict(kwargs, **own, score_mod=modifiers[0], mask_mod=modifiers[1])):
-        return _attend_fused(cache, query, starts, num_new, kwargs, is_causal)
+    options = dict(kwargs, is_causal=is_causal)
+    own = dict(mask=mask, local_window_size=window, score_mod=modifiers[0], mask_mod=modifiers[1])
+    if fused(cache, query, dict(options, **own)):
+        return _attend_fused(cache, query, starts, num_new, options)
     decoding = _decode_mask(
         starts, cache.lengths, query.shape[-3], capacity(cache), num_new, is_causal, window
     )
@@ -629,15 +630,14 @@ def _attend(cache, query, starts, num_new, mask, is_causal, window, modifiers, k
     )
 
 
-def _attend_fused(cache: KVCache, query, starts, num_new, kwargs, is_causal: bool):
+def _attend_fused(cache: KVCache, query, starts, num_new, kwargs):
     """The fused kernel's attention over ``cache`` read as a pool of one page per row."""
     rows = int(np.prod(cache.lengths.shape, dtype=np.int64))
     k_pages, v_pages = (x.reshape(rows, *x.shape[-3:]) for x in (cache.keys, cache.values))
     table = jnp.arange(rows, dtype=jnp.int32).reshape(*cache.lengths.shape, 1)
     return _fused_cache.attend(
-        query, k_pages, v_pages, table, starts, num_new, cache.lengths,
-        dict(kwargs, is_causal=is_causal),
-    )  # fmt: skip
+        query, k_pages, v_pages, table, starts, num_new, cache.lengths, kwargs
+    )
 
 
 def _check_attention_kwargs(attention_kwargs, where: str) -> None:

@@ -628,17 +628,15 @@ ffi::Error paged_params(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd
   if (kd[3] != p->D || vd[0] != p->N || vd[1] != p->S || vd[2] != p->K || td[0] != p->R ||
       p->K == 0 || p->H % p->K != 0 || p->S == 0)
     return ffi::Error::InvalidArgument("jattn paged attention: shapes do not match");
-  switch (kt) {
-    case ffi::DataType::F32: p->page = PageType::kF32; break;
-    case ffi::DataType::BF16: p->page = PageType::kBF16; break;
-    case ffi::DataType::F16: p->page = PageType::kF16; break;
-    case ffi::DataType::S8: p->page = PageType::kS8; break;
-    default: kt = ffi::DataType::INVALID;
+  switch (kt == vt ? kt : ffi::DataType::INVALID) {
+    case ffi::DataType::F32: p->page = PageType::kF32; return ffi::Error::Success();
+    case ffi::DataType::BF16: p->page = PageType::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: p->page = PageType::kF16; return ffi::Error::Success();
+    case ffi::DataType::S8: p->page = PageType::kS8; return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument(
+          "jattn paged attention: pages must be both float32, bfloat16, float16 or int8");
   }
-  if (kt != vt || kt == ffi::DataType::INVALID)
-    return ffi::Error::InvalidArgument(
-        "jattn paged attention: pages must be both float32, bfloat16, float16 or int8");
-  return ffi::Error::Success();
 }
 
 // Items of all kv heads of a row read its token records whole (paged_impl.h): from this
