@@ -198,6 +198,36 @@ def test_a_small_pool_makes_requests_wait_and_memory_follows_tokens():
     assert [o.tolist() for o in outs] == references(model, prompts, [8] * 4)
 
 
+def test_a_request_preempted_for_pages_is_prefilled_again_and_keeps_its_output():
+    model = BUILD["gpt2"]()
+    prompts, max_new = prompts_of([20, 17, 9], seed=4), [20, 20, 20]
+    # pages of 8: the three finish holding 5 + 5 + 4 pages, more than the pool's 10, but
+    # their prompts fit it, so all three start and the last admitted gives its pages back
+    opts = dict(slots=3, num_pages=10, page_size=8, prefill_chunk=8, return_stats=True)
+    outs, stats = models.generate_many(model, prompts, max_new, **opts)
+    assert stats.preemptions >= 1 and stats.recomputed > 0
+    assert stats.peak_pages <= 10
+    assert [o.tolist() for o in outs] == references(model, prompts, max_new)
+    # sampling: token j of request i draws from fold_in(fold_in(key, i), j) wherever it is
+    # computed, so preempting changes nothing
+    kw = dict(temperature=1.0, key=jax.random.key(3))
+    sampled, again = models.generate_many(model, prompts, max_new, **opts, **kw)
+    roomy = models.generate_many(model, prompts, max_new, slots=3, page_size=8, **kw)
+    assert again.preemptions >= 1
+    assert [o.tolist() for o in sampled] == [o.tolist() for o in roomy]
+
+
+def test_the_longest_requests_start_first():
+    model = BUILD["gpt2"]()
+    prompts, max_new = prompts_of([3] * 5, seed=6), [2, 2, 2, 2, 9]
+    outs, stats = models.generate_many(model, prompts, max_new, slots=2, return_stats=True, **OPTS)
+    # the 9-token request starts at once and decodes beside the short ones: its 8 decoding
+    # steps (its first token comes from its prefill) are the run's; in arrival order the
+    # short ones would take 2 steps first and it would then decode alone, 10 steps
+    assert stats.decode_steps == 8
+    assert [o.tolist() for o in outs] == references(model, prompts, max_new)
+
+
 @pytest.mark.slow
 def test_sampling_does_not_depend_on_slots_or_order():
     model = BUILD["qwen3"]()

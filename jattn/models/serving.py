@@ -6,6 +6,9 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
 * a fixed number of **slots** decode together, one token per slot per step;
 * a request that ends (``max_new_tokens`` reached, or its next token is an ``eos_id``)
   frees its slot and its pages at once, and the first waiting request takes the slot;
+  requests wait in the order of their ``max_new_tokens``, longest first (the results come
+  in the order of the prompts): the last requests to start are short ones, so the end of
+  the run, when few slots are busy, is short;
 * new requests' prompts are **prefilled in chunks** of ``prefill_chunk`` tokens between
   two decoding steps of the others, so the running requests keep decoding; the next chunk
   of every prompt still prefilling (up to ``prefill_rows``) runs in one ``[rows,
@@ -29,9 +32,15 @@ buckets (powers of two of pages), the smallest that holds its longest row. So th
 of compilations is bounded by the number of counts, row counts and widths, whatever the
 number of requests.
 
-Admission reserves, for every running request, the pages it may still need, so the pool
-never runs dry mid-request (no preemption is needed); pages themselves are only taken when
-tokens arrive.
+**Admission and preemption** (vLLM's policy, recomputing). A waiting request is admitted
+when the free pages, less those the running prompts still need and one page of headroom
+per running request, hold its prompt; pages are only taken when tokens arrive. When a
+request needs a page and none is free, the request admitted last is **preempted**: its
+pages are freed and it goes back to the head of the queue, to prefill its prompt and the
+tokens it has generated again when it is readmitted (the same logits, so the same next
+token as if it had kept its pages, up to the float rounding of a chunked prefill against
+a decoding step). The request admitted first is never preempted while others run, so the
+run always advances.
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ class ServingStats(NamedTuple):
       num_pages: pages in the pool.
       page_size: positions per page.
       shared_pages: page references taken from another request's prompt (prefix sharing).
+      preemptions: times a running request gave its pages back to let another go on.
+      recomputed: tokens prefilled again after a preemption.
       programs: the step shapes run, ``(rows, tokens, n)`` each: ``(slots, 1, n)`` a
         decoding step over ``n`` key blocks (or ``n`` pages through the fused kernel),
         ``(rows, prefill_chunk, n)`` a prefill step of ``rows`` rows (a power of two or
@@ -91,6 +102,8 @@ class ServingStats(NamedTuple):
     num_pages: int
     page_size: int
     shared_pages: int
+    preemptions: int
+    recomputed: int
     programs: tuple[tuple[int, int, int], ...]
 
 
@@ -288,9 +301,14 @@ class _Request:
     prompt: np.ndarray
     max_new: int
     out: list[int] = dataclasses.field(default_factory=list)
-    fed: int = 0  # prompt tokens already in the cache
+    feed: np.ndarray = None  # the tokens to prefill: the prompt (+ ``out`` once preempted)
+    fed: int = 0  # tokens of ``feed`` already in the cache
     started: bool = False  # its prefill has begun (shared prefix pages looked up)
     pages: int = 0  # pages in its table (owned or shared)
+    admitted: int = -1  # admission order (the last admitted is preempted first)
+
+    def __post_init__(self):
+        self.feed = self.prompt
 
 
 def _common_pages(prompt: np.ndarray, other: np.ndarray, size: int) -> int:
@@ -304,6 +322,11 @@ def _common_pages(prompt: np.ndarray, other: np.ndarray, size: int) -> int:
 def _need(req: _Request, size: int) -> int:
     """Pages a request holds when it ends (prompt + new tokens - 1 positions)."""
     return paged.pages_needed(req.prompt.size + req.max_new - 1, size)
+
+
+def _to_start(req: _Request, size: int) -> int:
+    """Pages a waiting request takes to prefill and write its next token."""
+    return min(paged.pages_needed(req.feed.size + 1, size), _need(req, size))
 
 
 class _Server:
@@ -321,7 +344,9 @@ class _Server:
         self.leaves, treedef = jax.tree.flatten(state)
         _, temperature, top_k = sampling
         self.step = _step_fn(graphdef, treedef, temperature, top_k)
-        self.requests, self.waiting = requests, list(requests)
+        # the longest max_new_tokens first (the longest-processing-time rule): the last to
+        # start are short, so the run's tail, with few slots busy, is short
+        self.requests, self.waiting = requests, sorted(requests, key=lambda r: -r.max_new)
         self.slots: list[_Request | None] = [None] * slots
         self.eos, self.sampling, self.chunk, self.share = eos, sampling, chunk, share
         self.pages = _Pages(num_pages, page_size)
@@ -353,29 +378,45 @@ class _Server:
             for pool, block in zip(self.pools, decoder.trf_blocks, strict=True)
         )
         self.decode_steps = self.prefill_chunks = self.prefill_steps = self.shared = 0
+        self.admissions = self.preemptions = self.recomputed = 0
         self.held: list[int] = []
         self.programs: set[tuple[int, int, int]] = set()
 
     # -- pages ---------------------------------------------------------------------------
 
-    def _reserved(self) -> int:
-        """Pages the running requests may still take."""
-        size = self.pages.size
-        return sum(_need(r, size) - r.pages for r in self.slots if r is not None)
+    def _committed(self) -> int:
+        """Pages the running requests are about to take: the rest of their prefill, and a
+        page of headroom each for the tokens they generate (no more than they may need)."""
+        size, total = self.pages.size, 0
+        for r in self.slots:
+            if r is not None:
+                prefill = max(paged.pages_needed(r.feed.size, size) - r.pages, 0)
+                total += min(prefill + 1, _need(r, size) - r.pages)
+        return total
 
-    def _grow(self, slot: int, upto: int) -> None:
-        """Gives the slot's request pages for positions ``< upto``."""
+    def _grow(self, slot: int, upto: int) -> bool:
+        """Gives the slot's request pages for positions ``< upto``, preempting the request
+        admitted last while none is free; False when that was the slot's own."""
         req = self.slots[slot]
         while req.pages * self.pages.size < upto:
+            while not self.pages.free:
+                victim = max(
+                    (s for s, r in enumerate(self.slots) if r is not None),
+                    key=lambda s: self.slots[s].admitted,
+                )
+                self._preempt(victim)
+                if victim == slot:
+                    return False
             self.table[slot, req.pages] = self.pages.take()
             req.pages += 1
+        return True
 
     def _share_prefix(self, slot: int, req: _Request) -> None:
         """Points the slot at live pages holding the same prompt prefix (full pages only,
         keeping at least one prompt token to prefill: its logits give the first token)."""
         size = self.pages.size
         for i in range(self._found_pages(req)):
-            page = self.pages.prefix[req.prompt[: (i + 1) * size].tobytes()]
+            page = self.pages.prefix[req.feed[: (i + 1) * size].tobytes()]
             self.pages.share(page)
             self.table[slot, i] = page
             req.pages += 1
@@ -387,7 +428,7 @@ class _Server:
         """Makes the slot's fully written prompt pages findable by later requests."""
         size = self.pages.size
         for i in range(req.fed // size):
-            key = req.prompt[: (i + 1) * size].tobytes()
+            key = req.feed[: (i + 1) * size].tobytes()
             page = int(self.table[slot, i])
             if key not in self.pages.prefix and page not in self.pages.prefix_of:
                 self.pages.prefix[key], self.pages.prefix_of[page] = page, key
@@ -395,8 +436,8 @@ class _Server:
     def _found_pages(self, req: _Request) -> int:
         """Leading prompt pages of ``req`` that :meth:`_share_prefix` would find now."""
         size, found = self.pages.size, 0
-        while found < (req.prompt.size - 1) // size:
-            if req.prompt[: (found + 1) * size].tobytes() not in self.pages.prefix:
+        while found < (req.feed.size - 1) // size:
+            if req.feed[: (found + 1) * size].tobytes() not in self.pages.prefix:
                 break
             found += 1
         return found
@@ -412,8 +453,8 @@ class _Server:
         return any(
             other is not None
             and other.started
-            and other.fed < other.prompt.size
-            and _common_pages(req.prompt, other.prompt, self.pages.size) > found
+            and other.fed < other.feed.size
+            and _common_pages(req.feed, other.feed, self.pages.size) > found
             for other in self.slots
         )
 
@@ -424,10 +465,22 @@ class _Server:
             if occupant is not None or not self.waiting:
                 continue
             req = self.waiting[0]
-            if len(self.pages.free) - self._reserved() < _need(req, self.pages.size):
+            if len(self.pages.free) - self._committed() < _to_start(req, self.pages.size):
                 return  # the pool is committed; wait for a request to end
             self.waiting.pop(0)
             self.slots[slot] = req
+            req.admitted, self.admissions = self.admissions, self.admissions + 1
+
+    def _preempt(self, slot: int) -> None:
+        """Frees the slot's pages and puts its request back at the head of the queue, to
+        prefill its prompt and the tokens it generated again."""
+        req = self.slots[slot]
+        self.recomputed += int(self.lengths[slot])
+        self._finish(slot)
+        req.feed = np.concatenate([req.prompt, np.asarray(req.out, np.int32)])
+        req.fed, req.started, req.pages = 0, False, 0
+        self.waiting.insert(0, req)
+        self.preemptions += 1
 
     def _finish(self, slot: int) -> None:
         req = self.slots[slot]
@@ -477,14 +530,14 @@ class _Server:
 
     def _prefilling(self) -> list[int]:
         """The slots whose next prompt chunk runs in this prefill step: the first requests
-        (in arrival order) still prefilling, at most the largest row count; a request that
+        (in admission order) still prefilling, at most the largest row count; a request that
         starts here looks its shared prefix up now, not at admission (an earlier
         request's prefill has run by now), unless it waits for pages another request is
         still writing (:meth:`_waits_for_prefix`)."""
         candidates = sorted(
-            (r.index, s)
+            (r.admitted, s)
             for s, r in enumerate(self.slots)
-            if r is not None and r.fed < r.prompt.size
+            if r is not None and r.fed < r.feed.size
         )
         chosen = []
         for _, slot in candidates:
@@ -503,7 +556,12 @@ class _Server:
     def _prefill(self) -> bool:
         """One prompt chunk of each slot :meth:`_prefilling` picks, in one step of the
         fewest rows in ``prefill_rows`` that hold them; False when none is prefilling."""
-        chosen = self._prefilling()
+        chosen = {slot: self.slots[slot] for slot in self._prefilling()}
+        for slot, req in chosen.items():
+            if self.slots[slot] is req:  # not preempted by an earlier row's pages
+                self._grow(slot, req.fed + min(self.chunk, req.feed.size - req.fed))
+        # a request preempted to give another its pages sits this step out
+        chosen = [slot for slot, req in chosen.items() if self.slots[slot] is req]
         if not chosen:
             return False
         count = next(c for c in self.prefill_rows if c >= len(chosen))
@@ -513,9 +571,8 @@ class _Server:
         picks = [self.requests[0]] * count
         for i, slot in enumerate(chosen):
             req = picks[i] = self.slots[slot]
-            n = num_new[i] = min(self.chunk, req.prompt.size - req.fed)
-            self._grow(slot, req.fed + n)
-            tokens[i, :n] = req.prompt[req.fed : req.fed + n]
+            n = num_new[i] = min(self.chunk, req.feed.size - req.fed)
+            tokens[i, :n] = req.feed[req.fed : req.fed + n]
             rows[i] = slot
         picked = self._run(rows, tokens, num_new, picks)
         self.prefill_steps += 1
@@ -525,18 +582,20 @@ class _Server:
             req.fed += int(num_new[i])
             if self.share:
                 self._register_prefix(slot, req)
-            if req.fed == req.prompt.size:
+            if req.fed == req.feed.size:
                 self._emit(slot, int(picked[i]))
         return True
 
     def _decode(self) -> None:
-        live = [s for s, r in enumerate(self.slots) if r is not None and r.fed == r.prompt.size]
+        live = {s: r for s, r in enumerate(self.slots) if r is not None and r.fed == r.feed.size}
+        for s, r in live.items():
+            if self.slots[s] is r:
+                self._grow(s, int(self.lengths[s]) + 1)
+        live = [s for s, r in live.items() if self.slots[s] is r]  # less the preempted
         if not live:
             return
         num_new = np.zeros(len(self.slots), np.int32)
         num_new[live] = 1
-        for s in live:
-            self._grow(s, int(self.lengths[s]) + 1)
         picks = [r if r is not None else self.requests[0] for r in self.slots]
         picked = self._run(
             np.arange(len(self.slots)), self.last[:, None].copy(), num_new, picks, blocked=True
@@ -564,6 +623,8 @@ class _Server:
             num_pages=self.pages.num_pages,
             page_size=self.pages.size,
             shared_pages=self.shared,
+            preemptions=self.preemptions,
+            recomputed=self.recomputed,
             programs=tuple(sorted(self.programs)),
         )
 
@@ -613,7 +674,9 @@ def generate_many(
         ``slots`` or the order requests were scheduled in.
       page_size: positions per page of the paged KV cache.
       num_pages: pages in the pool (per layer); default enough for ``slots`` requests of
-        the longest need. Fewer pages hold less memory: requests then wait for pages.
+        the longest need. Fewer pages hold less memory: requests then wait for pages, and
+        a request that needs a page when none is free preempts the request admitted last
+        (its tokens are prefilled again when it is readmitted; module docstring).
       prefill_chunk: prompt tokens fed per prefill step (a fixed shape); default
         ``min(64, context_length)``.
       prefill_rows: the most prompts whose next chunks run together in one prefill step
