@@ -4,9 +4,10 @@ Each build (a copy of ``_jattn_cpu*.so``) is loaded with :mod:`ctypes` and its p
 handler registered under a name of its own, so the builds run the same calls in turn,
 under the same load; their outputs are checked equal (to float32 rounding) first.
 
-Shapes: one decoding step of ``--rows`` rows (one query each) on ``--heads`` kv heads of
-``--head-dim`` (as many query heads), pages of 16 positions, rows ``--fill`` of a
-capacity of ``--capacity`` positions filled. Two settings per fill: *warm*, every call on
+Shapes: one decoding step of ``--rows`` rows (one query each; ``--queries 64``: a prefill
+chunk of 64 new tokens a row, causal) on ``--heads`` kv heads of ``--head-dim`` (as many
+query heads), pages of 16 positions, rows ``--fill`` of a capacity of ``--capacity``
+positions filled (the new tokens included). Two settings per fill: *warm*, every call on
 the same pools (they stay in the CPU's caches when they fit), and *cold*, each call on
 the next of four sets of pools (four layers' worth) after reading, untimed, a buffer twice
 the last-level cache: the call's pages are out of the caches whatever the fill, as in a
@@ -136,6 +137,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("builds", nargs="+", help="kernel library files (.so) to compare")
     p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--queries", type=int, default=1, help="new tokens per row (a chunk)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--capacity", type=int, default=743)
@@ -158,19 +160,20 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     shape = (rows * width, PAGE, heads, dim)
     pools = [tuple(jnp.asarray(rng.normal(size=shape), args.pages) for _ in "kv") for _ in range(4)]
-    q = jnp.asarray(rng.normal(size=(rows, 1, heads, dim)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(rows, args.queries, heads, dim)), jnp.float32)
     table = jnp.arange(rows * width, dtype=jnp.int32).reshape(rows, width)
     evict = np.ones(2 * last_level_cache_bytes() // 4, np.float32)  # read before cold calls
     print(
-        f"{rows} rows, {heads} kv heads of {dim}, capacity {args.capacity}; microseconds "
+        f"{rows} rows of {args.queries} queries, {heads} kv heads of {dim}, capacity "
+        f"{args.capacity}; microseconds "
         f"per call (medians of {args.repeats}); {args.pages} pages; builds: {', '.join(calls)}"
     )
     for fill in args.fill:
-        length = max(1, round(fill * args.capacity))
+        length = max(args.queries, round(fill * args.capacity))
         ints = (
             table,
-            jnp.full((rows,), length - 1, jnp.int32),  # starts
-            jnp.ones((rows,), jnp.int32),  # one query per row
+            jnp.full((rows,), length - args.queries, jnp.int32),  # starts
+            jnp.full((rows,), args.queries, jnp.int32),  # the new tokens
             jnp.full((rows,), length, jnp.int32),  # lengths
         )
         outs = []

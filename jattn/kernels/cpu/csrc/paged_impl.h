@@ -8,9 +8,11 @@
 // One item per (row, kv heads, key split): for each of its kv heads, the queries of the
 // heads sharing it run an online softmax over blocks of kBlock keys read through the page
 // table in place (a pointer per key, so any page size reads alike; each block's lines read
-// in a tight loop before it computes, touch_block); a block's logits are q . k over D, its
-// weights a vectorized polynomial exp, and the values accumulate as acc += p v over Dv (a
-// vector of acc held in a register over the block's keys). An item of several kv heads
+// in a tight loop before it computes, touch_block); a block's logits are q . k over D
+// (with several queries, from the block's keys transposed once, a few queries sharing each
+// key vector's load), its weights a vectorized polynomial exp, and the values accumulate as
+// acc += p v over Dv (two vectors of acc per query held in registers over the block's
+// keys, a few queries sharing each value vector's load). An item of several kv heads
 // takes a block of keys for each head in turn, so it reads the block's token records (all
 // kv heads of a token, contiguous) together rather than a head's slice of them at a time.
 // A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "paged.h"
@@ -184,34 +187,49 @@ void transpose_block(const PagedParams& p, const Block<E>& b, int64_t n, float* 
   }
 }
 
-// s[0, kBlock) = scale * q . k_j from the transposed block (kBlock / W accumulators).
-inline void logits_transposed(const PagedParams& p, const float* q, const float* kt, float* s) {
+// s_i[0, kBlock) = scale * q_i . k_j for Q queries from the transposed block (Q x kBlock /
+// W accumulators), each vector of keys loaded once for the Q.
+template <int Q>
+void logits_transposed(const PagedParams& p, const float* const* q, const float* kt,
+                       float* const* s) {
   constexpr int64_t kVecs = kBlock / W;
-  vf acc[kVecs];
-  for (int64_t v = 0; v < kVecs; ++v) acc[v] = splat(0.f);
+  vf acc[Q][kVecs];
+  for (int i = 0; i < Q; ++i)
+    for (int64_t v = 0; v < kVecs; ++v) acc[i][v] = splat(0.f);
   for (int64_t d = 0; d < p.D; ++d) {
-    const vf qd = splat(q[d]);
-    for (int64_t v = 0; v < kVecs; ++v) acc[v] += qd * load(kt + d * kBlock + v * W);
+    vf k[kVecs];
+    for (int64_t v = 0; v < kVecs; ++v) k[v] = load(kt + d * kBlock + v * W);
+    for (int i = 0; i < Q; ++i) {
+      const vf qd = splat(q[i][d]);
+      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += qd * k[v];
+    }
   }
-  for (int64_t v = 0; v < kVecs; ++v) store(s + v * W, acc[v] * splat(p.scale));
+  for (int i = 0; i < Q; ++i)
+    for (int64_t v = 0; v < kVecs; ++v) store(s[i] + v * W, acc[i][v] * splat(p.scale));
 }
 
-// One query's logits and online-softmax update over the first `n` keys of a block
-// (st = m, l): leaves its weights p_j (times the value scales) in s[0, kBlock), zeros past
-// n, and returns alpha, the factor its acc must be rescaled by. kt: the transposed block,
-// or null (logits key by key).
+// Queries whose logits share each transposed key vector's load: as many as keep their
+// accumulators within 16 vector registers.
+constexpr int kLogitQueries = kBlock / W >= 16 ? 1 : 16 / (kBlock / W);
+
+// One query's online-softmax update over the first `n` keys of a block (st = m, l): leaves
+// its weights p_j (times the value scales) in s[0, kBlock), zeros past n, and returns
+// alpha, the factor its acc must be rescaled by. `logits`: s holds them already (from the
+// transposed block), else they are computed here key by key.
 template <typename E>
 float softmax_block(const PagedParams& p, const Block<E>& b, int64_t n, const float* q,
-                    const float* kt, float* s, float* st) {
-  float top = -kInf;
-  if (kt != nullptr) logits_transposed(p, q, kt, s);
-  for (int64_t j = 0; j < n; ++j) {
-    if (kt == nullptr)
+                    bool logits, float* s, float* st) {
+  if (!logits) {
+    for (int64_t j = 0; j < n; ++j)
       s[j] = b.k[j] == nullptr ? 0.f : p.scale * (b.ks[j] * dot(q, b.k[j], p.D));
-    top = std::max(top, s[j]);
   }
   for (int64_t j = n; j < kBlock; ++j) s[j] = -kInf;
-  const float m_new = std::max(st[0], top);
+  vf top = load(s);  // the block's largest logit, a vector at a time (max is exact)
+  for (int64_t j = W; j < kBlock; j += W) {
+    const vf x = load(s + j);
+    top = top < x ? x : top;
+  }
+  const float m_new = std::max(st[0], hmax(top));
   vf sum = splat(0.f);
   for (int64_t j = 0; j < kBlock; j += W) {
     const vf e = vexp(load(s + j) - splat(m_new));
@@ -221,16 +239,38 @@ float softmax_block(const PagedParams& p, const Block<E>& b, int64_t n, const fl
   const float alpha = st[0] == -kInf ? 0.f : vexp(splat(st[0] - m_new))[0];
   st[0] = m_new;
   st[1] = st[1] * alpha + hsum(sum);
-  for (int64_t j = 0; j < n; ++j) s[j] *= b.vs[j];
+  if constexpr (std::is_same_v<E, int8_t>)  // the value scales (1 for float pages)
+    for (int64_t j = 0; j < n; ++j) s[j] *= b.vs[j];
   return alpha;
 }
 
-// acc_i = alpha_i acc_i + sum_{j < n} s_i[j] v_j for Q queries: a vector of Dv at a time,
-// held in registers over the block's keys, each value vector loaded once for the Q.
+// acc_i = alpha_i acc_i + sum_{j < n} s_i[j] v_j for Q queries: two vectors of Dv at a
+// time (then one), held in registers over the block's keys, each value vector loaded once
+// for the Q and each weight broadcast once for the two.
 template <int Q, typename E>
 void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const* s,
                 const float* alpha, float* const* acc) {
   int64_t c = 0;
+  for (; c + 2 * W <= p.Dv; c += 2 * W) {
+    vf a0[Q], a1[Q];
+    for (int i = 0; i < Q; ++i) {
+      a0[i] = load(acc[i] + c) * splat(alpha[i]);
+      a1[i] = load(acc[i] + c + W) * splat(alpha[i]);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (b.v[j] == nullptr) continue;
+      const vf v0 = load(b.v[j] + c), v1 = load(b.v[j] + c + W);
+      for (int i = 0; i < Q; ++i) {
+        const vf w = splat(s[i][j]);
+        a0[i] += w * v0;
+        a1[i] += w * v1;
+      }
+    }
+    for (int i = 0; i < Q; ++i) {
+      store(acc[i] + c, a0[i]);
+      store(acc[i] + c + W, a1[i]);
+    }
+  }
   for (; c + W <= p.Dv; c += W) {
     vf a[Q];
     for (int i = 0; i < Q; ++i) a[i] = load(acc[i] + c) * splat(alpha[i]);
@@ -250,8 +290,11 @@ void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const
     }
 }
 
-// The queries of one block awaiting their value accumulation, kQueries at a time.
+// The queries of one block awaiting their logits, softmax and value accumulation, kQueries
+// at a time.
 struct Pending {
+  const float* q[kQueries];
+  float* st[kQueries];
   float* s[kQueries];
   float* acc[kQueries];
   float alpha[kQueries];
@@ -259,8 +302,19 @@ struct Pending {
   int count = 0;
 };
 
+// The pending queries over the block b: their logits (from kt, the transposed block, when
+// not null), softmax updates and value accumulations.
 template <typename E>
-void flush(const PagedParams& p, const Block<E>& b, Pending* w) {
+void flush(const PagedParams& p, const Block<E>& b, const float* kt, Pending* w) {
+  if (w->count == 0) return;
+  if (kt != nullptr) {
+    int at = 0;
+    for (; at + kLogitQueries <= w->count; at += kLogitQueries)
+      logits_transposed<kLogitQueries>(p, w->q + at, kt, w->s + at);
+    for (; at < w->count; ++at) logits_transposed<1>(p, w->q + at, kt, w->s + at);
+  }
+  for (int i = 0; i < w->count; ++i)
+    w->alpha[i] = softmax_block(p, b, w->seen[i], w->q[i], kt != nullptr, w->s[i], w->st[i]);
   if (w->count == kQueries) {
     const int64_t n = *std::max_element(w->seen, w->seen + kQueries);
     accumulate<kQueries>(p, b, n, w->s, w->alpha, w->acc);
@@ -293,17 +347,16 @@ void head_block(const PagedParams& p, const PagedTensors& t, int64_t r, int64_t 
     const int64_t seen = p.causal ? std::min(n, start + tq + 1 - first) : n;
     if (seen <= 0) continue;
     for (int64_t g = 0; g < group; ++g) {
-      const float* q = t.q + ((r * p.T + tq) * p.H + head * group + g) * p.D;
       float* st = state + (tq * group + g) * stride;
-      float* row = s + w->count * kBlock;
-      w->alpha[w->count] = softmax_block(p, b, seen, q, kt, row, st);
-      w->s[w->count] = row;
+      w->q[w->count] = t.q + ((r * p.T + tq) * p.H + head * group + g) * p.D;
+      w->st[w->count] = st;
+      w->s[w->count] = s + w->count * kBlock;
       w->acc[w->count] = st + 2;
       w->seen[w->count] = seen;
-      if (++w->count == kQueries) flush(p, b, w);
+      if (++w->count == kQueries) flush(p, b, kt, w);
     }
   }
-  flush(p, b, w);
+  flush(p, b, kt, w);
 }
 
 template <typename E>
