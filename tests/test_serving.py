@@ -217,6 +217,25 @@ def test_a_request_preempted_for_pages_is_prefilled_again_and_keeps_its_output()
     assert [o.tolist() for o in sampled] == [o.tolist() for o in roomy]
 
 
+def test_preemption_among_requests_sharing_prompt_pages_keeps_the_output():
+    model = BUILD["gpt2"]()
+    common = prompts_of([24], seed=7)[0]
+    prompts = [
+        common, np.concatenate([common[:16], prompts_of([5], seed=8)[0]]), common,
+        prompts_of([10], seed=9)[0],
+    ]  # fmt: skip
+    max_new = [22, 20, 18, 16]
+    # a pool of 7 pages of 8: request 1 shares request 0's first two pages (reference
+    # counts), is preempted holding them while request 0 still reads them, and is
+    # prefilled again later
+    outs, stats = models.generate_many(
+        model, prompts, max_new, slots=4, num_pages=7, page_size=8, prefill_chunk=8,
+        return_stats=True,
+    )  # fmt: skip
+    assert stats.preemptions >= 1 and stats.shared_pages >= 1 and stats.peak_pages <= 7
+    assert [o.tolist() for o in outs] == references(model, prompts, max_new)
+
+
 def test_the_longest_requests_start_first():
     model = BUILD["gpt2"]()
     prompts, max_new = prompts_of([3] * 5, seed=6), [2, 2, 2, 2, 9]
