@@ -226,7 +226,7 @@ def test_preemption_among_requests_sharing_prompt_pages_keeps_the_output():
     ]  # fmt: skip
     max_new = [22, 20, 18, 16]
     # a pool of 7 pages of 8: request 1 shares request 0's first two pages (reference
-    # counts), is preempted holding them while request 0 still reads them, and is
+    # counts), is preempted while another request still holds them, and is
     # prefilled again later
     outs, stats = models.generate_many(
         model, prompts, max_new, slots=4, num_pages=7, page_size=8, prefill_chunk=8,
