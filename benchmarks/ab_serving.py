@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serving as bs
 from timing import settle
 
-from jattn import models, paged
+from jattn import models
 from jattn.models import serving
 
 
@@ -59,8 +59,8 @@ def main(argv=None) -> None:
     print(f"CPU: {bs.cpu_description()}; sgemm {bs.sgemm_gflops():.0f} GFLOP/s (this run)")
     prompts, max_new = bs.workload(64, (16, 512), (16, 256), 8192)
     capacity = max(q.size + m - 1 for q, m in zip(prompts, max_new, strict=True))
-    pages = paged.pages_needed(capacity, 16)
-    kw = dict(slots=16, page_size=16, num_pages=round(0.5 * 16 * pages), prefill_chunk=64)
+    pool = bs.pool_pages(0.5, 16, capacity, 16)
+    kw = dict(slots=16, page_size=16, num_pages=pool, prefill_chunk=64)
     gpt = models.GPTModel(bs.gpt2_cfg(8192), rngs=nnx.Rngs(0))
     kw["eos_id"] = bs.pick_eos(models.generate_many(gpt, prompts, max_new, **kw))
     candidates = {args.rev: serving_at(args.rev), "this tree": serving}

@@ -101,6 +101,13 @@ def workload(n: int, prompt_range, out_range, vocab: int, seed: int = 0):
     return prompts, max_new
 
 
+def pool_pages(fraction: float, slots: int, capacity: int, page_size: int) -> int:
+    """The most pages that hold at most ``fraction`` of ``slots x capacity`` positions (at
+    least one row's worth)."""
+    row = paged.pages_needed(capacity, page_size)
+    return max(row, int(fraction * slots * capacity) // page_size)
+
+
 def pick_eos(outputs, every: int = 4, max_shared: int = 1) -> list[int]:
     """For every ``every``-th request, the first token new to its output from a third of
     the way in (else from its second token) that at most ``max_shared`` other outputs
@@ -459,9 +466,7 @@ def main(argv=None) -> None:
     gflops = sgemm_gflops()
     prompts, max_new = workload(args.requests, prompt_range, out_range, args.vocab)
     capacity = max(p.size + m - 1 for p, m in zip(prompts, max_new, strict=True))
-    max_pages = paged.pages_needed(capacity, args.page_size)
-    # the most pages that hold at most --pool of slots x capacity positions
-    args.num_pages = max(max_pages, int(args.pool * args.slots * capacity) // args.page_size)
+    args.num_pages = pool_pages(args.pool, args.slots, capacity, args.page_size)
 
     gpt = models.GPTModel(gpt2_cfg(args.vocab), rngs=nnx.Rngs(0))
     _, first, _, compiles_first = continuous(gpt, prompts, max_new, args)

@@ -394,9 +394,9 @@ class _Server:
                 total += min(prefill + 1, _need(r, size) - r.pages)
         return total
 
-    def _grow(self, slot: int, upto: int) -> bool:
+    def _grow(self, slot: int, upto: int) -> None:
         """Gives the slot's request pages for positions ``< upto``, preempting the request
-        admitted last while none is free; False when that was the slot's own."""
+        admitted last while none is free (which may be the slot's own)."""
         req = self.slots[slot]
         while req.pages * self.pages.size < upto:
             while not self.pages.free:
@@ -406,10 +406,18 @@ class _Server:
                 )
                 self._preempt(victim)
                 if victim == slot:
-                    return False
+                    return
             self.table[slot, req.pages] = self.pages.take()
             req.pages += 1
-        return True
+
+    def _seat(self, upto: dict[int, int]) -> list[int]:
+        """Gives each slot's request pages for positions ``< upto[slot]`` (:meth:`_grow`),
+        in order; the slots whose requests were not preempted meanwhile."""
+        seated = {slot: self.slots[slot] for slot in upto}
+        for slot, req in seated.items():
+            if self.slots[slot] is req:  # not preempted by an earlier slot's pages
+                self._grow(slot, upto[slot])
+        return [slot for slot, req in seated.items() if self.slots[slot] is req]
 
     def _share_prefix(self, slot: int, req: _Request) -> None:
         """Points the slot at live pages holding the same prompt prefix (full pages only,
@@ -556,12 +564,11 @@ class _Server:
     def _prefill(self) -> bool:
         """One prompt chunk of each slot :meth:`_prefilling` picks, in one step of the
         fewest rows in ``prefill_rows`` that hold them; False when none is prefilling."""
-        chosen = {slot: self.slots[slot] for slot in self._prefilling()}
-        for slot, req in chosen.items():
-            if self.slots[slot] is req:  # not preempted by an earlier row's pages
-                self._grow(slot, req.fed + min(self.chunk, req.feed.size - req.fed))
-        # a request preempted to give another its pages sits this step out
-        chosen = [slot for slot, req in chosen.items() if self.slots[slot] is req]
+        upto = {}
+        for slot in self._prefilling():
+            req = self.slots[slot]
+            upto[slot] = min(req.fed + self.chunk, req.feed.size)
+        chosen = self._seat(upto)  # a request preempted for another's pages sits this out
         if not chosen:
             return False
         count = next(c for c in self.prefill_rows if c >= len(chosen))
@@ -571,7 +578,7 @@ class _Server:
         picks = [self.requests[0]] * count
         for i, slot in enumerate(chosen):
             req = picks[i] = self.slots[slot]
-            n = num_new[i] = min(self.chunk, req.feed.size - req.fed)
+            n = num_new[i] = upto[slot] - req.fed
             tokens[i, :n] = req.feed[req.fed : req.fed + n]
             rows[i] = slot
         picked = self._run(rows, tokens, num_new, picks)
@@ -587,11 +594,13 @@ class _Server:
         return True
 
     def _decode(self) -> None:
-        live = {s: r for s, r in enumerate(self.slots) if r is not None and r.fed == r.feed.size}
-        for s, r in live.items():
-            if self.slots[s] is r:
-                self._grow(s, int(self.lengths[s]) + 1)
-        live = [s for s, r in live.items() if self.slots[s] is r]  # less the preempted
+        live = self._seat(
+            {
+                s: int(self.lengths[s]) + 1
+                for s, r in enumerate(self.slots)
+                if r is not None and r.fed == r.feed.size
+            }
+        )
         if not live:
             return
         num_new = np.zeros(len(self.slots), np.int32)
