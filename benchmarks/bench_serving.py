@@ -23,7 +23,8 @@ Figures, all from one process:
   slots) and ``requests x capacity`` (the static batch's cache).
 * **decode step at 10% vs 100% filled.** One decoding step of ``slots`` rows through the
   model on paged caches whose page tables are 10% and 100% of the capacity wide, rows
-  filled to match; and the contiguous ``KVCache`` step (on CPU with the kernel, read in
+  filled to match, each row's next token picked as ``generate_many``'s greedy step picks
+  it (the output head at the last position only, then ``generate.sample_next``); and the contiguous ``KVCache`` step (on CPU with the kernel, read in
   place up to each row's length too; elsewhere over its whole capacity); and the paged step with one page per row, the part of a
   step that does not follow the tokens held (over the 100% step: the least the 10% /
   100% ratio can be with that step as it is; a faster attention raises it). Medians of
@@ -54,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
 import time
@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from timing import settle  # benchmarks/timing.py, beside this script
+from timing import cpu_description, settle, sgemm_gflops  # beside this script
 
 from jattn import generate, kvcache, models, paged
 
@@ -148,32 +148,6 @@ def compile_events():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def cpu_description() -> str:
-    info = {}
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    flags = info.get("flags", "").split()
-    simd = (
-        "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
-    )
-    name = info.get("model name", platform.processor())
-    return f"{name}, {simd}, {os.cpu_count()} logical cores"
-
-
-def sgemm_gflops(n: int = 1024, repeats: int = 10) -> float:
-    x = jnp.ones((n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(x, x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dot(x, x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2.0 * n**3 / statistics.median(times) / 1e9
-
-
 def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -214,16 +188,23 @@ def static_batch(model, prompts, max_new):
     return run
 
 
-def _paged_step(graphdef, state, pools, table, lengths, tokens, blocks=None):
-    """``(logits [B, T, V], pools)`` of a chunk through paged caches (int8 ones with scales),
-    over the work list ``blocks`` (``paged.block_list``) or, None, the whole page table."""
+def _paged_step(graphdef, state, pools, table, lengths, tokens, blocks=None, pick=False):
+    """``(out, pools)`` of a chunk through paged caches (int8 ones with scales), over the
+    work list ``blocks`` (``paged.block_list``) or, None, the whole page table. ``out``: the
+    logits ``[B, T, V]``; with ``pick``, each row's next token ``[B]`` as ``generate_many``'s
+    greedy step picks it (the output head at the last position only, then
+    ``generate.sample_next``)."""
     model = nnx.merge(graphdef, state)
     for block, (k, v, *scales) in zip(model.trf_blocks, pools, strict=True):
         cache = paged.PagedKVCache(k, v, table, lengths, *scales, blocks=blocks)
         block.att.cache = nnx.Cache(cache)
-    logits = model(tokens, deterministic=True, decode=True)
+    if pick:
+        last = jnp.full(tokens.shape[:1], tokens.shape[1] - 1)
+        out = generate.sample_next(model(tokens, deterministic=True, decode=True, logits_at=last))
+    else:
+        out = model(tokens, deterministic=True, decode=True)
     caches = [b.att.cache.get_value() for b in model.trf_blocks]
-    return logits, [tuple(x for x in (*c[:2], *c[4:6]) if x is not None) for c in caches]
+    return out, [tuple(x for x in (*c[:2], *c[4:6]) if x is not None) for c in caches]
 
 
 def int8_logit_error(
@@ -261,8 +242,9 @@ def contiguous_step(graphdef, state, caches, tokens):
     model = nnx.merge(graphdef, state)
     for block, cache in zip(model.trf_blocks, caches, strict=True):
         block.att.cache = nnx.Cache(cache)
-    logits = model(tokens, deterministic=True, decode=True)
-    return logits[:, -1].argmax(-1), [b.att.cache.get_value() for b in model.trf_blocks]
+    last = jnp.full(tokens.shape[:1], tokens.shape[1] - 1)
+    picked = generate.sample_next(model(tokens, deterministic=True, decode=True, logits_at=last))
+    return picked, [b.att.cache.get_value() for b in model.trf_blocks]
 
 
 def from_leaves(step, graphdef, treedef, leaves, *args):
@@ -309,13 +291,15 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     of BURST consecutive calls, the quartiles over rounds of the paged 10% / 100% ratio in
     each)`` (:func:`interleaved_medians`).
 
-    Four candidates per fill: the whole model on paged caches as ``generate_many``'s
+    Four candidates per fill: the whole model (picking each row's next token, greedy, with
+    the output head at the last position only) on paged caches as ``generate_many``'s
     decoding step runs it (``"paged"``: through the fused CPU paged kernel where it runs,
     else over the work list of the key blocks the rows hold; rows filled to 10% or 100% of
     the capacity) and over a page table 10% or 100% of the capacity wide (``"table"``),
     the model on contiguous ``KVCache``s (through the same fused kernel, which reads each
-    row's filled positions in place; elsewhere over the whole capacity), and one attention layer alone (``jattn.paged.update_and_attend`` over the page
-    table, the model's head layout); and the ``"paged"`` step with one page per row, the
+    row's filled positions in place; elsewhere over the whole capacity), and one attention
+    layer alone (``jattn.paged.update_and_attend`` over the page table, the model's head
+    layout); and the ``"paged"`` step with one page per row, the
     part of a step that does not follow the tokens held (after the 100% one in each
     round). The lengths stay put between calls (each call rewrites the same position), so
     every call costs the same. The model's structure is bound once (``partial``) and its
@@ -328,7 +312,8 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     max_pages = paged.pages_needed(capacity, page_size)
     tokens = jnp.zeros((slots, 1), jnp.int32)
     full_table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)
-    paged_fn = jax.jit(partial(from_leaves, _paged_step, graphdef, treedef), donate_argnums=1)
+    paged_step = partial(_paged_step, pick=True)
+    paged_fn = jax.jit(partial(from_leaves, paged_step, graphdef, treedef), donate_argnums=1)
     contiguous_fn = jax.jit(
         partial(from_leaves, contiguous_step, graphdef, treedef), donate_argnums=1
     )
@@ -509,8 +494,8 @@ def main(argv=None) -> None:
          f"{pool / (args.slots * capacity):.3f}x", ""),
         (f"KV positions held at peak / static `batch x capacity` ({args.requests} x {capacity})",
          f"{held / (args.requests * capacity):.2f}x", ""),
-        ("decode step (whole model), paged (`generate_many`'s: the fused paged kernel, else over "
-         "the key blocks held), 10% / 100% filled",
+        ("decode step (whole model, greedy pick), paged (`generate_many`'s: the fused paged "
+         "kernel, else over the key blocks held), 10% / 100% filled",
          f"**{steps[('paged', 0.1)] / steps[('paged', 1.0)]:.2f}x** "
          f"({steps[('paged', 0.1)] * 1e3:.1f} / {steps[('paged', 1.0)] * 1e3:.1f} ms; "
          f"rounds' quartiles {spread[0][0]:.2f}-{spread[0][1]:.2f}x)", "<= 0.3x"),
