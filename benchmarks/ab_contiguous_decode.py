@@ -33,6 +33,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serving as bs
+from timing import cpu_description, sgemm_gflops
 
 from jattn import kvcache, models
 
@@ -87,7 +88,7 @@ def main(argv=None) -> None:
     p.add_argument("--fills", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     p.add_argument("--repeats", type=int, default=60)
     args = p.parse_args(argv)
-    print(f"CPU: {bs.cpu_description()}; XLA sgemm {bs.sgemm_gflops():.0f} GFLOP/s; "
+    print(f"CPU: {cpu_description()}; XLA sgemm {sgemm_gflops():.0f} GFLOP/s; "
           f"jax {jax.__version__}; load {bs.load()}")  # fmt: skip
     model = MODELS[args.model]()
     steps = step_candidates(model, args.rows, args.capacity, args.fills)

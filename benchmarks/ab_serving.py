@@ -29,7 +29,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serving as bs
-from timing import settle
+from timing import cpu_description, settle, sgemm_gflops
 
 from jattn import models
 from jattn.models import serving
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     p.add_argument("rev", help="the git revision whose serving.py is the baseline")
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    print(f"CPU: {bs.cpu_description()}; sgemm {bs.sgemm_gflops():.0f} GFLOP/s (this run)")
+    print(f"CPU: {cpu_description()}; sgemm {sgemm_gflops():.0f} GFLOP/s (this run)")
     prompts, max_new = bs.workload(64, (16, 512), (16, 256), 8192)
     capacity = max(q.size + m - 1 for q, m in zip(prompts, max_new, strict=True))
     pool = bs.pool_pages(0.5, 16, capacity, 16)

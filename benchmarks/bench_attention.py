@@ -75,7 +75,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from timing import settle  # benchmarks/timing.py, beside this script
+from timing import cpu_info, settle  # benchmarks/timing.py, beside this script
 
 import jattn
 import jattn.linen
@@ -211,25 +211,6 @@ def paired_ratio(a: Candidate, b: Candidate) -> float:
 
 SGEMM_N = 2048
 SGEMM = f"sgemm {SGEMM_N}^3 (jax)"
-
-
-def cpu_info() -> dict:
-    """Model, instruction sets and cores of this machine's CPU (Linux ``/proc/cpuinfo``)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine()):
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    avx512, avx2 = "avx512f" in flags, "avx2" in flags
-    kind = "AVX-512" if avx512 else "AVX2" if avx2 else (platform.machine() or "other")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"model": model, "avx512": avx512, "avx2": avx2, "kind": kind, "cores": cores}
 
 
 def sgemm_candidate() -> Candidate:

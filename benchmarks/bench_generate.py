@@ -7,8 +7,9 @@ jattn.toy.TinyGPT weights; the only difference is how each new token is computed
   step through the model's KV caches, all in one jitted ``lax.scan``. Its cache is sized
   two ways: to what the run needs (prompt + new tokens, as a user who knows the run would)
   and, where that differs, to the model's full context (flax's convention: the input
-  given to ``init``). Every cached step attends over all positions of its cache, filled
-  or not, so the smaller cache is the faster one; the headline uses it.
+  given to ``init``). On CPU with jattn's kernel a cached step's attention reads the
+  filled positions only; the rest of the step (and elsewhere the whole step) works over
+  the capacity, so the smaller cache is still the faster one; the headline uses it.
 * book loop (:func:`book_generate`, in this file): chapter 4's ``generate_text_simple``
   as a user would port it to JAX. A Python loop feeds the growing sequence (the prompt and
   the tokens so far) to a jitted forward pass and takes the argmax of the logits at the
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,6 +58,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import cpu_description, sgemm_gflops  # benchmarks/timing.py, beside this script
 
 from jattn import generate as gen
 from jattn.toy.model import TinyGPT, TinyGPTConfig
@@ -324,15 +325,15 @@ def _describe(row) -> str:
     )
 
 
-def to_markdown(rows, args, command: str) -> str:
-    cpu = platform.processor() or platform.machine()
+def to_markdown(rows, args, command: str, gflops: float) -> str:
     lines = [
         "# Generation with a KV cache vs recomputing the sequence",
         "",
         f"Command: `{command}`",
         "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {jax.default_backend()} "
-        f"({os.cpu_count()} cores, {cpu}, shared with other jobs), jax {jax.__version__}. Batch "
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on "
+        f"{jax.default_backend()}: {cpu_description()}, shared with other jobs; XLA sgemm "
+        f"(1024^3, float32) {gflops:.0f} GFLOP/s in this run; jax {jax.__version__}. Batch "
         f"1, float32, prompt of {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy: "
         "every generator gives identical tokens (checked on each run).",
         "",
@@ -424,6 +425,8 @@ def main(argv=None):
     unknown = [m for m in names if m not in configs]
     if unknown:
         p.error(f"--models: unknown {unknown}; choose from {sorted(configs)}")
+    gflops = sgemm_gflops()  # the machine's rate in this run, beside its figures
+    print(f"{cpu_description()}; XLA sgemm {gflops:.0f} GFLOP/s", flush=True)
     rows = []
     for name in names:
         print(f"{name}:", flush=True)
@@ -440,7 +443,7 @@ def main(argv=None):
     command = "python benchmarks/bench_generate.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    table = to_markdown(rows, args, command.strip())
+    table = to_markdown(rows, args, command.strip(), gflops)
     print(table)
     if not args.no_write:
         with open(RESULTS, "w", encoding="utf-8") as f:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import cpu_description, sgemm_gflops  # benchmarks/timing.py, beside this script
 
 from jattn import models
 
@@ -76,27 +76,6 @@ def qwen3_06b() -> dict:
 # ----------------------------------------------------------------------------------------
 
 
-def cpu_description() -> str:
-    """CPU model (and family/model numbers), AVX-512 or not, logical cores."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = info.get("model name", platform.processor() or platform.machine())
-    family = (
-        f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info else ""
-    )
-    flags = info.get("flags", "").split()
-    avx512 = (
-        "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
-    )
-    return f"{name}{family}, {avx512}, {os.cpu_count()} logical cores"
-
-
 def sgemm_rates(n: int = 1024, repeats: int = 10) -> dict[str, float]:
     """GFLOP/s of a float32 ``[n, n] @ [n, n]``: PyTorch (MKL, its default threads) and XLA."""
     import torch
@@ -111,15 +90,7 @@ def sgemm_rates(n: int = 1024, repeats: int = 10) -> dict[str, float]:
         torch.mm(a, b)
         times.append(time.perf_counter() - t)
     rates = {"torch": flops / statistics.median(times) / 1e9}
-    x, y = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
-    dot = jax.jit(jnp.dot)
-    dot(x, y).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dot(x, y).block_until_ready()
-        times.append(time.perf_counter() - t)
-    rates["xla"] = flops / statistics.median(times) / 1e9
+    rates["xla"] = sgemm_gflops(n, repeats)
     return rates
 
 

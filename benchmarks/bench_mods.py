@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from timing import cpu_description, sgemm_gflops  # benchmarks/timing.py, beside this script
 
 import jattn
 from jattn import mods
@@ -132,35 +133,6 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 # ----------------------------------------------------------------------------------------
 # The machine
 # ----------------------------------------------------------------------------------------
-
-
-def cpu_description() -> str:
-    """CPU model, AVX-512 or not, and core count (from /proc/cpuinfo where there is one)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and ":" in line:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and ":" in line:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    avx512 = "AVX-512" if "avx512f" in flags else "no AVX-512"
-    return f"{model}, {avx512}, {os.cpu_count()} cores"
-
-
-def sgemm_gflops(n: int = 2048, rounds: int = 5) -> float:
-    """float32 matrix-product rate of XLA on this machine, GFLOP/s (median of ``rounds``)."""
-    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32) for i in (0, 1))
-    mm = jax.jit(jnp.dot).lower(a, b).compile()
-    jax.block_until_ready(mm(a, b))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(mm(a, b))
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times) / 1e9
 
 
 def environment(gflops: float) -> str:
@@ -383,7 +355,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    gflops = sgemm_gflops()
+    gflops = sgemm_gflops(2048, 5)
     env = environment(gflops)
     print(env, flush=True)
     results = {t: bench_length(t, args, lambda s: print(s, flush=True)) for t in args.lengths}
