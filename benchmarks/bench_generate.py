@@ -67,17 +67,17 @@ from jattn.toy.model import TinyGPT, TinyGPTConfig
 READING = [
     "Reading the numbers:",
     "",
-    "* The machine is shared: a long baseline run (the GPT-2-sized ones run once, for "
-    "minutes) can meet more or less load from other jobs than the cached runs around it, so "
-    "the wall-clock and CPU-time speed-ups can differ; quote the lower of the two.",
+    "* The machine is shared: a long baseline run (one past `--long-run-s` runs once) can "
+    "meet more or less load from other jobs than the cached runs around it, so the "
+    "wall-clock and CPU-time speed-ups can differ; quote the lower of the two.",
     "* Batch-1 cached decoding of the GPT-2-sized model is bound by memory traffic, not "
     "arithmetic: every token reads each float32 weight once (a bullet above gives the "
     "implied bandwidth). Smaller weights (bfloat16) or a larger batch would raise tokens/s; "
     "neither is measured here.",
     "* On CPU with jattn's fused kernel a cached step's attention reads each row's filled "
     "positions only (`jattn.kvcache.fused`); the rest of the step (and, elsewhere, the "
-    "whole step) works over the cache's capacity, so a cache sized to the run is still "
-    "faster than one sized to the full context (compare the two GPT-2-sized rows).",
+    "whole step) works over the cache's capacity: the two GPT-2-sized rows give what a "
+    "cache sized to the full context costs against one sized to the run.",
 ]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_results.md")

@@ -389,6 +389,20 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     return single, runs, spread
 
 
+def step_bytes(model, rows: int, filled: int) -> tuple[int, int]:
+    """``(weights, kv)``: the bytes one decoding step of ``rows`` rows reads, each row
+    holding ``filled`` positions: every weight but the embedding tables (it gathers a row
+    of each per token) and every layer's keys and values of those positions."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    tables = [
+        m.embedding.get_value() for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Embed)
+    ]
+    weights = sum(x.nbytes for x in params) - sum(x.nbytes for x in tables)
+    att = model.trf_blocks[0].att
+    per_position = 2 * att.kv_heads * att.head_dim * jnp.dtype(model.dtype).itemsize
+    return weights, rows * filled * len(model.trf_blocks) * per_position
+
+
 def greedy_pick(slots: int, vocab: int, repeats: int) -> tuple[float, float]:
     """Median seconds of the greedy pick of ``[slots, vocab]`` float32 logits: jattn's
     (``generate.sample_next``, on CPU the kernel ``jattn.kernels.cpu.argmax``) and
@@ -487,6 +501,12 @@ def main(argv=None) -> None:
     ]  # fmt: skip
     held, pool = stats.peak_pages * args.page_size, args.num_pages * args.page_size
     floor = steps[("one page", 0.0)]  # the step's cost that does not follow the tokens held
+    max_pages = paged.pages_needed(capacity, args.page_size)
+    weights, _ = step_bytes(gpt, args.slots, 0)
+    kv = {  # the rows' lengths in decode_steps' candidates, the new token included
+        f: step_bytes(gpt, args.slots, max(1, round(f * max_pages)) * args.page_size)[1]
+        for f in (0.1, 1.0)
+    }
     rows += [
         (f"KV positions held at peak / `slots x capacity` ({args.slots} x {capacity})",
          f"**{held / (args.slots * capacity):.3f}x**", "<= 0.5x"),
@@ -513,6 +533,11 @@ def main(argv=None) -> None:
          "step runs the same program on more keys; a faster attention, shortening the 100% "
          "step, raises it)",
          f"{floor / steps[('paged', 1.0)]:.2f}x", ""),
+        ("bytes a step reads, 10% / 100% filled: the weights (all but the embedding tables) "
+         "and the KV positions held; (weights + KV 10%) / (weights + KV 100%) is the ratio of "
+         "a step bound by memory traffic alone",
+         f"{(weights + kv[0.1]) / (weights + kv[1.0]):.2f}x ({weights / 1e6:.1f} MB weights; "
+         f"KV {kv[0.1] / 1e6:.1f} / {kv[1.0] / 1e6:.1f} MB)", ""),
         (f"the one-page step in runs of {BURST}: the floor with the weights in the caches (one "
          "call at a time, the previous candidate's call has pushed them out)",
          f"{runs[('one page', 0.0)] * 1e3:.1f} ms", ""),
