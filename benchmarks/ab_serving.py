@@ -2,8 +2,8 @@
 
 Loads ``jattn/models/serving.py`` as it is at ``REV`` (``git show``) beside the working
 tree's, and runs both on ``bench_serving.py``'s workload (64 requests, 16 slots, pages of
-16, prefill chunks of 64, a pool of half of ``slots x capacity``, its eos ids): the
-outputs are checked equal first (greedy), then the two run in turn ``--rounds`` times
+16, each revision's default prefill chunk unless ``--chunk``, a pool of half of ``slots x
+capacity``, its eos ids): the outputs are checked equal first (greedy), then the two run in turn ``--rounds`` times
 (wall-clock seconds, medians). Both use this tree's model, kernels and paged cache: only
 the scheduler differs. Also printed: each one's decoding and prefill steps, pages held and
 preemptions (``ServingStats``), the CPU and an sgemm rate from the same run.
@@ -55,12 +55,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("rev", help="the git revision whose serving.py is the baseline")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--chunk", type=int, default=None, help="prefill chunk (default: each revision's own)"
+    )
     args = p.parse_args(argv)
     print(f"CPU: {cpu_description()}; sgemm {sgemm_gflops():.0f} GFLOP/s (this run)")
     prompts, max_new = bs.workload(64, (16, 512), (16, 256), 8192)
     capacity = max(q.size + m - 1 for q, m in zip(prompts, max_new, strict=True))
     pool = bs.pool_pages(0.5, 16, capacity, 16)
-    kw = dict(slots=16, page_size=16, num_pages=pool, prefill_chunk=64)
+    kw = dict(slots=16, page_size=16, num_pages=pool)
+    if args.chunk is not None:
+        kw["prefill_chunk"] = args.chunk
     gpt = models.GPTModel(bs.gpt2_cfg(8192), rngs=nnx.Rngs(0))
     kw["eos_id"] = bs.pick_eos(models.generate_many(gpt, prompts, max_new, **kw))
     candidates = {args.rev: serving_at(args.rev), "this tree": serving}

@@ -68,6 +68,7 @@ from flax import nnx
 from timing import cpu_description, settle, sgemm_gflops  # beside this script
 
 from jattn import generate, kvcache, models, paged
+from jattn.models.serving import PREFILL_CHUNK
 
 RESULTS = os.path.join(os.path.dirname(__file__), "serving_results.md")
 # Consecutive calls per candidate and round in the "runs" decode-step figures.
@@ -447,7 +448,12 @@ def main(argv=None) -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens)")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help="prefill chunk (tokens); generate_many's default",
+    )
     p.add_argument(
         "--pool", type=float, default=0.5, help="pool size, fraction of slots x capacity"
     )

@@ -153,6 +153,20 @@ def test_prefill_steps_run_several_prompts_and_keep_the_output():
     assert one.prefill_steps == one.prefill_chunks == stats.prefill_chunks
 
 
+def test_a_prefill_step_runs_the_fewest_tokens_that_hold_its_longest_piece():
+    """The default chunk is capped at the context (48 here); a step's token length is the
+    fewest of 16, 32, ..., the chunk that hold its longest piece of prompt, not the chunk."""
+    model = BUILD["gpt2"]()
+    prompts = prompts_of([45, 5, 20], seed=4)
+    outs, stats = models.generate_many(
+        model, prompts, 3, slots=1, page_size=16, return_stats=True
+    )  # one prompt per prefill step: the 45 (one step of 48), the 5 (16), the 20 (32)
+    assert {p[1] for p in stats.programs if p[1] > 1} == {16, 32, 48}
+    assert stats.prefill_steps == 3
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.tolist() == alone(model, prompt, 3)
+
+
 def test_identical_prompts_prefilling_together_share_their_pages():
     model = BUILD["gpt2"]()
     common = prompts_of([40])[0]

@@ -12,7 +12,7 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
 * new requests' prompts are **prefilled in chunks** of ``prefill_chunk`` tokens between
   two decoding steps of the others, so the running requests keep decoding; the next chunk
   of every prompt still prefilling (up to ``prefill_rows``) runs in one ``[rows,
-  prefill_chunk]`` step, so a burst of new requests costs a few calls, not one per chunk;
+  tokens]`` step, so a burst of new requests costs a few calls, not one per chunk;
 * the keys and values live in a :class:`jattn.paged.PagedKVCache` per layer: pages are
   taken from a free list as a request's tokens arrive and given back when it ends, so the
   memory held follows the tokens held; with ``share_prefixes`` a request whose prompt
@@ -21,16 +21,18 @@ its own ``max_new_tokens``) the way serving engines do (vLLM's scheduler, in sma
   is still writing waits for them rather than writing its own copy.
 
 **Fixed shapes.** Two programs run: a decoding step on ``[slots, 1]`` tokens and a prefill
-step on ``[rows, prefill_chunk]``, ``rows`` a power of two or ``prefill_rows`` (the rows
-past the prompts prefilling are padding that reads and writes nothing). On CPU with jattn's fused kernel
+step on ``[rows, tokens]``, ``rows`` a power of two or ``prefill_rows`` (the rows past the
+prompts prefilling are padding that reads and writes nothing), ``tokens`` the fewest of
+16, 32, ..., ``prefill_chunk`` that hold the step's longest piece of prompt (a short
+prompt is not padded to the whole chunk). On CPU with jattn's fused kernel
 (:func:`jattn.paged.fused`) a decoding step reads each slot's pages in place up to its
 length (:func:`jattn.kernels.cpu.paged_attention`) over the whole page table, one shape;
 without it, it attends over a work list of key blocks (:func:`jattn.paged.block_list`:
 each slot's blocks up to its length, padded to one of a few counts). Either way its cost
-follows the tokens the slots hold, not ``slots`` times the longest of them; a prefill step attends over a page-table width taken from a few
-buckets (powers of two of pages), the smallest that holds its longest row. So the number
-of compilations is bounded by the number of counts, row counts and widths, whatever the
-number of requests.
+follows the tokens the slots hold, not ``slots`` times the longest of them; a prefill
+step attends over a page-table width taken from a few buckets (powers of two of pages),
+the smallest that holds its longest row. So the number of compilations is bounded by the
+number of counts, row counts, token lengths and widths, whatever the number of requests.
 
 **Admission and preemption** (vLLM's policy, recomputing). A waiting request is admitted
 when the free pages, less those the running prompts still need and one page of headroom
@@ -71,6 +73,20 @@ Array = jax.Array
 # Prefill steps are compute-bound there, so rows share little more than the call; 4 rows
 # keep the padding and the number of compiled shapes small.
 PREFILL_ROWS = 4
+
+# generate_many's default prefill chunk (capped at the model's context), and the shortest
+# token length a prefill step takes: a step runs the fewest of 16, 32, ..., the chunk that
+# hold its longest piece of prompt. Measured with benchmarks/ab_serving.py (bench_serving's
+# workload, 16 slots, AVX-512 EPYC, 9 alternating rounds in one process): chunks of 256
+# with those lengths took 0.89x the time of chunks of 64 padded whole (66 prefill steps
+# against 157, 471 decoding steps against 493). Whole chunks of 256 gave 0.94-0.97x; the
+# lengths keep prompts shorter than the chunk from paying for it (prompts of 4-40 tokens:
+# 0.94x in separate processes, the same compilations). A longer chunk holds the decoding
+# rows up for longer in each prefill step (about 3 ms for [4, 64], 7.5 ms for [4, 256]
+# there); 256 is also the longest chunk the fused CPU kernel takes in place
+# (jattn.paged.fused).
+PREFILL_CHUNK = 256
+MIN_CHUNK = 16
 
 
 class ServingStats(NamedTuple):
@@ -349,6 +365,9 @@ class _Server:
         self.requests, self.waiting = requests, sorted(requests, key=lambda r: -r.max_new)
         self.slots: list[_Request | None] = [None] * slots
         self.eos, self.sampling, self.chunk, self.share = eos, sampling, chunk, share
+        # a prefill step's token length: the fewest of these that hold its longest chunk
+        # (a short prompt, or a prompt's last piece, is not padded to the whole chunk)
+        self.chunk_lengths = tuple(c for c in _buckets(chunk) if c >= min(MIN_CHUNK, chunk))
         self.pages = _Pages(num_pages, page_size)
         self.max_pages = max(_need(r, page_size) for r in requests)
         self.widths = _buckets(self.max_pages)
@@ -573,7 +592,9 @@ class _Server:
             return False
         count = next(c for c in self.prefill_rows if c >= len(chosen))
         rows = np.full(count, len(self.slots))  # padding: the empty row past the slots
-        tokens = np.zeros((count, self.chunk), np.int32)
+        longest = max(upto[slot] - self.slots[slot].fed for slot in chosen)
+        length = next(c for c in self.chunk_lengths if c >= longest)
+        tokens = np.zeros((count, length), np.int32)
         num_new = np.zeros(count, np.int32)
         picks = [self.requests[0]] * count
         for i, slot in enumerate(chosen):
@@ -686,8 +707,10 @@ def generate_many(
         the longest need. Fewer pages hold less memory: requests then wait for pages, and
         a request that needs a page when none is free preempts the request admitted last
         (its tokens are prefilled again when it is readmitted; module docstring).
-      prefill_chunk: prompt tokens fed per prefill step (a fixed shape); default
-        ``min(64, context_length)``.
+      prefill_chunk: the most prompt tokens a prompt feeds per prefill step; default
+        ``min(PREFILL_CHUNK, context_length)`` (256). A step runs the fewest of 16, 32,
+        ..., ``prefill_chunk`` tokens that hold its longest piece; a longer chunk means
+        fewer steps, and a longer wait for the decoding requests during each.
       prefill_rows: the most prompts whose next chunks run together in one prefill step
         (capped at ``slots``); 1 prefills one chunk of one prompt per step.
       share_prefixes: a request whose prompt begins with full pages a live request wrote
@@ -717,7 +740,7 @@ def generate_many(
     slots = _positive_int(slots, "slots")
     page_size = _positive_int(page_size, "page_size")
     context = model.cfg.context_length
-    prefill_chunk = min(64, context) if prefill_chunk is None else prefill_chunk
+    prefill_chunk = min(PREFILL_CHUNK, context) if prefill_chunk is None else prefill_chunk
     prefill_chunk = _positive_int(prefill_chunk, "prefill_chunk")
     prefill_rows = _positive_int(prefill_rows, "prefill_rows")
     if prefill_chunk > context:
