@@ -3,10 +3,11 @@
 Loads ``jattn/models/serving.py`` as it is at ``REV`` (``git show``) beside the working
 tree's, and runs both on ``bench_serving.py``'s workload (64 requests, 16 slots, pages of
 16, each revision's default prefill chunk unless ``--chunk``, a pool of half of ``slots x
-capacity``, its eos ids): the outputs are checked equal first (greedy), then the two run in turn ``--rounds`` times
-(wall-clock seconds, medians). Both use this tree's model, kernels and paged cache: only
-the scheduler differs. Also printed: each one's decoding and prefill steps, pages held and
-preemptions (``ServingStats``), the CPU and an sgemm rate from the same run.
+capacity``, its eos ids): the outputs are checked equal first (greedy), then the two run in
+turn ``--rounds`` times (wall-clock seconds, medians). Both use this tree's model, kernels
+and paged cache: only the scheduler differs. Also printed: each one's decoding and prefill
+steps, pages held and preemptions (``ServingStats``), the CPU and an sgemm rate from the
+same run.
 
 Usage (from the repository root)::
 

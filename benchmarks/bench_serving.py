@@ -22,16 +22,17 @@ Figures, all from one process:
   positions), in positions, against ``slots x capacity`` (the contiguous cache of the same
   slots) and ``requests x capacity`` (the static batch's cache).
 * **decode step at 10% vs 100% filled.** One decoding step of ``slots`` rows through the
-  model on paged caches whose page tables are 10% and 100% of the capacity wide, rows
-  filled to match, each row's next token picked as ``generate_many``'s greedy step picks
-  it (the output head at the last position only, then ``generate.sample_next``); and the contiguous ``KVCache`` step (on CPU with the kernel, read in
-  place up to each row's length too; elsewhere over its whole capacity); and the paged step with one page per row, the part of a
-  step that does not follow the tokens held (over the 100% step: the least the 10% /
-  100% ratio can be with that step as it is; a faster attention raises it). Medians of
+  model on paged caches whose page tables are 10% and 100% of the capacity wide, rows filled
+  to match, each row's next token picked as ``generate_many``'s greedy step picks it (the
+  output head at the last position only, then ``generate.sample_next``); and the contiguous
+  ``KVCache`` step (on CPU with the kernel, read in place up to each row's length too;
+  elsewhere over its whole capacity); and the paged step with one page per row, the part of
+  a step that does not follow the tokens held (over the 100% step: the least the 10% / 100%
+  ratio can be with that step as it is; a faster attention raises it). Medians of
   ``--step-repeats`` calls, the candidates in turn: once one call at a time (each call
-  follows another candidate's, with its weights and pages often out of the caches), once
-  in runs of ``BURST`` consecutive calls (the first of each run left out), as a serving
-  loop runs one step after another.
+  follows another candidate's, with its weights and pages often out of the caches), once in
+  runs of ``BURST`` consecutive calls (the first of each run left out), as a serving loop
+  runs one step after another.
 * **vs the book.** ``llms_from_scratch.kv_cache_batched`` (Qwen3, PyTorch) generating
   for the same prompts (it takes one ``[batch, T]`` tensor: prompts right-padded to the
   longest, every row ``max(max_new_tokens)`` tokens; ``--book-batch`` rows at a time),
@@ -296,16 +297,16 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     the output head at the last position only) on paged caches as ``generate_many``'s
     decoding step runs it (``"paged"``: through the fused CPU paged kernel where it runs,
     else over the work list of the key blocks the rows hold; rows filled to 10% or 100% of
-    the capacity) and over a page table 10% or 100% of the capacity wide (``"table"``),
-    the model on contiguous ``KVCache``s (through the same fused kernel, which reads each
-    row's filled positions in place; elsewhere over the whole capacity), and one attention
-    layer alone (``jattn.paged.update_and_attend`` over the page table, the model's head
-    layout); and the ``"paged"`` step with one page per row, the
-    part of a step that does not follow the tokens held (after the 100% one in each
-    round). The lengths stay put between calls (each call rewrites the same position), so
-    every call costs the same. The model's structure is bound once (``partial``) and its
-    state passed as flat leaves, as ``generate_many`` does: a static ``GraphDef`` argument
-    would be hashed on every call, and an ``nnx.State`` flattened.
+    the capacity) and over a page table 10% or 100% of the capacity wide (``"table"``), the
+    model on contiguous ``KVCache``s (through the same fused kernel, which reads each row's
+    filled positions in place; elsewhere over the whole capacity), and one attention layer
+    alone (``jattn.paged.update_and_attend`` over the page table, the model's head layout);
+    and the ``"paged"`` step with one page per row, the part of a step that does not follow
+    the tokens held (after the 100% one in each round). The lengths stay put between calls
+    (each call rewrites the same position), so every call costs the same. The model's
+    structure is bound once (``partial``) and its state passed as flat leaves, as
+    ``generate_many`` does: a static ``GraphDef`` argument would be hashed on every call,
+    and an ``nnx.State`` flattened.
     """
     graphdef, state = nnx.split(model)
     state, treedef = jax.tree.flatten(state)
