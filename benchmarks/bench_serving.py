@@ -190,21 +190,22 @@ def static_batch(model, prompts, max_new):
     return run
 
 
+def greedy_next(model, tokens):
+    """Each row's next token ``[B]`` as ``generate_many``'s greedy step picks it: the output
+    head at the last position only, then ``generate.sample_next``."""
+    last = jnp.full(tokens.shape[:1], tokens.shape[1] - 1)
+    return generate.sample_next(model(tokens, deterministic=True, decode=True, logits_at=last))
+
+
 def _paged_step(graphdef, state, pools, table, lengths, tokens, blocks=None, pick=False):
     """``(out, pools)`` of a chunk through paged caches (int8 ones with scales), over the
     work list ``blocks`` (``paged.block_list``) or, None, the whole page table. ``out``: the
-    logits ``[B, T, V]``; with ``pick``, each row's next token ``[B]`` as ``generate_many``'s
-    greedy step picks it (the output head at the last position only, then
-    ``generate.sample_next``)."""
+    logits ``[B, T, V]``; with ``pick``, each row's next token ``[B]`` (:func:`greedy_next`)."""
     model = nnx.merge(graphdef, state)
     for block, (k, v, *scales) in zip(model.trf_blocks, pools, strict=True):
         cache = paged.PagedKVCache(k, v, table, lengths, *scales, blocks=blocks)
         block.att.cache = nnx.Cache(cache)
-    if pick:
-        last = jnp.full(tokens.shape[:1], tokens.shape[1] - 1)
-        out = generate.sample_next(model(tokens, deterministic=True, decode=True, logits_at=last))
-    else:
-        out = model(tokens, deterministic=True, decode=True)
+    out = greedy_next(model, tokens) if pick else model(tokens, deterministic=True, decode=True)
     caches = [b.att.cache.get_value() for b in model.trf_blocks]
     return out, [tuple(x for x in (*c[:2], *c[4:6]) if x is not None) for c in caches]
 
@@ -244,9 +245,7 @@ def contiguous_step(graphdef, state, caches, tokens):
     model = nnx.merge(graphdef, state)
     for block, cache in zip(model.trf_blocks, caches, strict=True):
         block.att.cache = nnx.Cache(cache)
-    last = jnp.full(tokens.shape[:1], tokens.shape[1] - 1)
-    picked = generate.sample_next(model(tokens, deterministic=True, decode=True, logits_at=last))
-    return picked, [b.att.cache.get_value() for b in model.trf_blocks]
+    return greedy_next(model, tokens), [b.att.cache.get_value() for b in model.trf_blocks]
 
 
 def from_leaves(step, graphdef, treedef, leaves, *args):
@@ -327,7 +326,7 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     )
     steps = {}
     for fill in (0.1, 1.0):
-        width = max(1, round(fill * max_pages))
+        width = fill_width(fill, max_pages)
         lengths = jnp.full((slots,), width * page_size - 1, jnp.int32)  # room for one token
         table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)[:, :width]
         empty = paged.init_paged_cache(
@@ -389,6 +388,11 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
         _ratio_quartiles(run_times, *pair, repeats),
     )
     return single, runs, spread
+
+
+def fill_width(fill: float, max_pages: int) -> int:
+    """Pages per row of the decode-step candidates filled to ``fill`` of the capacity."""
+    return max(1, round(fill * max_pages))
 
 
 def step_bytes(model, rows: int, filled: int) -> tuple[int, int]:
@@ -511,7 +515,7 @@ def main(argv=None) -> None:
     max_pages = paged.pages_needed(capacity, args.page_size)
     weights, _ = step_bytes(gpt, args.slots, 0)
     kv = {  # the rows' lengths in decode_steps' candidates, the new token included
-        f: step_bytes(gpt, args.slots, max(1, round(f * max_pages)) * args.page_size)[1]
+        f: step_bytes(gpt, args.slots, fill_width(f, max_pages) * args.page_size)[1]
         for f in (0.1, 1.0)
     }
     rows += [

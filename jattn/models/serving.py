@@ -592,15 +592,14 @@ class _Server:
             return False
         count = next(c for c in self.prefill_rows if c >= len(chosen))
         rows = np.full(count, len(self.slots))  # padding: the empty row past the slots
-        longest = max(upto[slot] - self.slots[slot].fed for slot in chosen)
-        length = next(c for c in self.chunk_lengths if c >= longest)
-        tokens = np.zeros((count, length), np.int32)
         num_new = np.zeros(count, np.int32)
+        num_new[: len(chosen)] = [upto[slot] - self.slots[slot].fed for slot in chosen]
+        length = next(c for c in self.chunk_lengths if c >= num_new.max())
+        tokens = np.zeros((count, length), np.int32)
         picks = [self.requests[0]] * count
         for i, slot in enumerate(chosen):
             req = picks[i] = self.slots[slot]
-            n = num_new[i] = upto[slot] - req.fed
-            tokens[i, :n] = req.feed[req.fed : req.fed + n]
+            tokens[i, : num_new[i]] = req.feed[req.fed : upto[slot]]
             rows[i] = slot
         picked = self._run(rows, tokens, num_new, picks)
         self.prefill_steps += 1
