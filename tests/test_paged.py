@@ -490,6 +490,9 @@ FUSED_CASES = [  # (page, chunk, causal, int8, starts, num_new)
     (16, 1, True, False, [600, 512], [1, 1]),  # one item past the split size (no split)
     (16, 24, True, False, [520, 3], [24, 2]),  # a chunk whose keys pass 512, one item
     (16, 5, False, True, [1300, 2], [4, 5]),  # splits, GQA chunk, int8, not causal
+    # causal chunks whose queries, taken four at a time, see keys across a vector of keys
+    # (8 or 16): the ones seeing fewer must weigh the rest zero
+    (16, 24, True, False, [5, 2], [24, 20]),
 ]
 
 
@@ -516,6 +519,26 @@ def test_fused_paged_kernel_equals_numpy_and_the_xla_path(case):
     )
     for r, m in enumerate(num_new):  # padding queries (and rows of length 0) give zeros
         np.testing.assert_array_equal(out[r, m:], 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [32, 40, 64])
+def test_fused_paged_kernel_equals_numpy_past_one_vector_of_head_dim(dim):
+    """Head dims of two vectors or more (values accumulated two vectors at a time, then
+    one, then by column) and dims no multiple of a vector (logits key by key), decoding
+    (one query per kv head) and in a GQA chunk."""
+    rng = np.random.default_rng(dim)
+    calls = (  # chunk, starts, num_new, (heads, kv heads)
+        (1, [37, 100, 5], [1, 1, 1], (4, 4)),
+        (6, [5, 30], [6, 4], (4, 2)),
+    )
+    for chunk, starts, num_new, heads in calls:
+        cache, (q, k, v) = filled_cache(
+            rng, starts, num_new, page=16, chunk=chunk, heads=heads, dim=dim
+        )
+        out, after = jit_fused(cache, q, k, v, num_new=jnp.asarray(num_new))
+        want = np_paged_reference(after, q, starts, num_new, causal=True)
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernel

@@ -10,9 +10,11 @@
 // table in place (a pointer per key, so any page size reads alike; each block's lines read
 // in a tight loop before it computes, touch_block); a block's logits are q . k over D
 // (with several queries, from the block's keys transposed once, a few queries sharing each
-// key vector's load), its weights a vectorized polynomial exp, and the values accumulate as
-// acc += p v over Dv (two vectors of acc per query held in registers over the block's
-// keys, a few queries sharing each value vector's load). An item of several kv heads
+// key vector's load; with fewer, W keys' products reduced together, logits_keys), its
+// weights a vectorized polynomial exp over the vectors holding its keys, and the values
+// accumulate as acc += p v over Dv (two vectors of acc per query held in registers over
+// the block's keys, a few queries sharing each value vector's load, or a lone query's sums
+// in independent chains). An item of several kv heads
 // takes a block of keys for each head in turn, so it reads the block's token records (all
 // kv heads of a token, contiguous) together rather than a head's slice of them at a time.
 // A split writes its unnormalized state (max, sum, acc) and merge_item combines a row's
@@ -208,30 +210,73 @@ void logits_transposed(const PagedParams& p, const float* const* q, const float*
     for (int64_t v = 0; v < kVecs; ++v) store(s[i] + v * W, acc[i][v] * splat(p.scale));
 }
 
+// Lanes of a where bit H of the lane index is clear, of b where it is set: the lanes
+// themselves (Flip false) or their partners at index ^ H (Flip true).
+template <int H, bool Flip, int... U>
+inline vf pick_lanes(vf a, vf b, std::integer_sequence<int, U...>) {
+  return __builtin_shufflevector(a, b, ((U & H) ? W : 0) + (Flip ? (U ^ H) : U)...);
+}
+
+// x[0, H) = pair sums of x[m] (lanes with bit H clear) and x[m + H] (set), down to H = 1:
+// then lane i of x[0] is the sum of the lanes of the input x[i] (W vectors transposed and
+// added in log2(W) levels, W - 1 pair sums of two shuffles and an add each).
+template <int H>
+inline void lane_sums(vf* x) {
+  constexpr auto lanes = std::make_integer_sequence<int, W>{};
+  for (int m = 0; m < H; ++m)
+    x[m] = pick_lanes<H, false>(x[m], x[m + H], lanes) + pick_lanes<H, true>(x[m], x[m + H], lanes);
+  if constexpr (H > 1) lane_sums<H / 2>(x);
+}
+
+// One query's logits s[j] = scale * q . k_j over a block's first n keys (zeros for keys on
+// unallocated pages; lanes past n are left for the caller), W keys at a time: each key's
+// products summed over D a vector at a time, then the W keys' vectors reduced together
+// (lane_sums) rather than one horizontal sum per key. D a multiple of W.
+template <typename E>
+void logits_keys(const PagedParams& p, const Block<E>& b, int64_t n, const float* q, float* s) {
+  for (int64_t j0 = 0; j0 < n; j0 += W) {
+    vf x[W];
+    for (int j = 0; j < W; ++j) {
+      x[j] = splat(0.f);
+      const E* k = j0 + j < n ? b.k[j0 + j] : nullptr;
+      if (k == nullptr) continue;
+      for (int64_t d = 0; d < p.D; d += W) x[j] += load(q + d) * load(k + d);
+    }
+    lane_sums<W / 2>(x);
+    vf ks = splat(1.f);  // int8 pages: the keys' scales (the block's first n are set)
+    if constexpr (std::is_same_v<E, int8_t>)
+      for (int j = 0; j < W && j0 + j < n; ++j) ks[j] = b.ks[j0 + j];
+    store(s + j0, splat(p.scale) * (ks * x[0]));
+  }
+}
+
 // Queries whose logits share each transposed key vector's load: as many as keep their
 // accumulators within 16 vector registers.
 constexpr int kLogitQueries = kBlock / W >= 16 ? 1 : 16 / (kBlock / W);
 
 // One query's online-softmax update over the first `n` keys of a block (st = m, l): leaves
-// its weights p_j (times the value scales) in s[0, kBlock), zeros past n, and returns
-// alpha, the factor its acc must be rescaled by. `logits`: s holds them already (from the
-// transposed block), else they are computed here key by key.
+// its weights p_j (times the value scales) in s[0, max(n, zero_to)), zeros past n, and
+// returns alpha, the factor its acc must be rescaled by. `logits`: s holds them already,
+// else they are computed here key by key.
 template <typename E>
 float softmax_block(const PagedParams& p, const Block<E>& b, int64_t n, const float* q,
-                    bool logits, float* s, float* st) {
+                    bool logits, float* s, float* st, int64_t zero_to) {
   if (!logits) {
     for (int64_t j = 0; j < n; ++j)
       s[j] = b.k[j] == nullptr ? 0.f : p.scale * (b.ks[j] * dot(q, b.k[j], p.D));
   }
-  for (int64_t j = n; j < kBlock; ++j) s[j] = -kInf;
+  // The vectors holding the n keys; those past them (all -inf, weights 0) would change
+  // neither the max nor the sum, so they are skipped, not computed.
+  const int64_t used = (n + W - 1) / W * W;
+  for (int64_t j = n; j < used; ++j) s[j] = -kInf;
   vf top = load(s);  // the block's largest logit, a vector at a time (max is exact)
-  for (int64_t j = W; j < kBlock; j += W) {
+  for (int64_t j = W; j < used; j += W) {
     const vf x = load(s + j);
     top = top < x ? x : top;
   }
   const float m_new = std::max(st[0], hmax(top));
   vf sum = splat(0.f);
-  for (int64_t j = 0; j < kBlock; j += W) {
+  for (int64_t j = 0; j < used; j += W) {
     const vf e = vexp(load(s + j) - splat(m_new));
     store(s + j, e);
     sum += e;
@@ -241,16 +286,16 @@ float softmax_block(const PagedParams& p, const Block<E>& b, int64_t n, const fl
   st[1] = st[1] * alpha + hsum(sum);
   if constexpr (std::is_same_v<E, int8_t>)  // the value scales (1 for float pages)
     for (int64_t j = 0; j < n; ++j) s[j] *= b.vs[j];
+  for (int64_t j = used; j < zero_to; ++j) s[j] = 0.f;
   return alpha;
 }
 
-// acc_i = alpha_i acc_i + sum_{j < n} s_i[j] v_j for Q queries: two vectors of Dv at a
-// time (then one), held in registers over the block's keys, each value vector loaded once
-// for the Q and each weight broadcast once for the two.
+// acc_i = alpha_i acc_i + sum_{j < n} s_i[j] v_j for Q queries, on the columns of Dv from
+// `c`: two vectors at a time (then one), held in registers over the block's keys, each
+// value vector loaded once for the Q and each weight broadcast once for the two.
 template <int Q, typename E>
-void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const* s,
-                const float* alpha, float* const* acc) {
-  int64_t c = 0;
+void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, const float* const* s,
+                const float* alpha, float* const* acc, int64_t c = 0) {
   for (; c + 2 * W <= p.Dv; c += 2 * W) {
     vf a0[Q], a1[Q];
     for (int i = 0; i < Q; ++i) {
@@ -290,6 +335,47 @@ void accumulate(const PagedParams& p, const Block<E>& b, int64_t n, float* const
     }
 }
 
+// The partial sums a lone query's value accumulation keeps over a block's keys (key j in
+// chain j % kChains, the keys past the last whole group in the first): a single sum would
+// wait on its FMA's latency at every key.
+constexpr int kChains = 4;
+static_assert(kChains == 4, "accumulate_one adds its chains as a tree of four");
+
+// acc = alpha acc + sum_{j < n} s[j] v_j for one query, two vectors of Dv at a time (then
+// one), each in kChains partial sums over the keys (the remainder's keys in the first),
+// added in a fixed order at the end.
+template <typename E>
+void accumulate_one(const PagedParams& p, const Block<E>& b, int64_t n, const float* s,
+                    float alpha, float* acc) {
+  const int64_t whole = n - n % kChains;
+  int64_t c = 0;
+  for (; c + 2 * W <= p.Dv; c += 2 * W) {
+    vf a0[kChains], a1[kChains];
+    a0[0] = load(acc + c) * splat(alpha);
+    a1[0] = load(acc + c + W) * splat(alpha);
+    for (int i = 1; i < kChains; ++i) a0[i] = a1[i] = splat(0.f);
+    for (int64_t j = 0; j < whole; j += kChains)
+      for (int i = 0; i < kChains; ++i) {
+        if (b.v[j + i] == nullptr) continue;
+        const vf w = splat(s[j + i]);
+        a0[i] += w * load(b.v[j + i] + c);
+        a1[i] += w * load(b.v[j + i] + c + W);
+      }
+    for (int64_t j = whole; j < n; ++j) {
+      if (b.v[j] == nullptr) continue;
+      const vf w = splat(s[j]);
+      a0[0] += w * load(b.v[j] + c);
+      a1[0] += w * load(b.v[j] + c + W);
+    }
+    store(acc + c, (a0[0] + a0[1]) + (a0[2] + a0[3]));
+    store(acc + c + W, (a1[0] + a1[1]) + (a1[2] + a1[3]));
+  }
+  if (c < p.Dv) {  // the columns left: one vector at a time, then one at a time
+    float* ap = acc;
+    accumulate<1>(p, b, n, &s, &alpha, &ap, c);
+  }
+}
+
 // The queries of one block awaiting their logits, softmax and value accumulation, kQueries
 // at a time.
 struct Pending {
@@ -313,14 +399,20 @@ void flush(const PagedParams& p, const Block<E>& b, const float* kt, Pending* w)
       logits_transposed<kLogitQueries>(p, w->q + at, kt, w->s + at);
     for (; at < w->count; ++at) logits_transposed<1>(p, w->q + at, kt, w->s + at);
   }
-  for (int i = 0; i < w->count; ++i)
-    w->alpha[i] = softmax_block(p, b, w->seen[i], w->q[i], kt != nullptr, w->s[i], w->st[i]);
+  const bool by_keys = kt == nullptr && p.D % W == 0;  // else key by key in softmax_block
+  for (int i = 0; by_keys && i < w->count; ++i) logits_keys(p, b, w->seen[i], w->q[i], w->s[i]);
+  // kQueries queries accumulate together over the keys any of them sees
+  const int64_t n = *std::max_element(w->seen, w->seen + w->count);
+  for (int i = 0; i < w->count; ++i) {
+    const bool logits = kt != nullptr || by_keys;
+    const int64_t zero_to = w->count == kQueries ? n : 0;
+    w->alpha[i] = softmax_block(p, b, w->seen[i], w->q[i], logits, w->s[i], w->st[i], zero_to);
+  }
   if (w->count == kQueries) {
-    const int64_t n = *std::max_element(w->seen, w->seen + kQueries);
     accumulate<kQueries>(p, b, n, w->s, w->alpha, w->acc);
   } else {
     for (int i = 0; i < w->count; ++i)
-      accumulate<1>(p, b, w->seen[i], w->s + i, w->alpha + i, w->acc + i);
+      accumulate_one(p, b, w->seen[i], w->s[i], w->alpha[i], w->acc[i]);
   }
   w->count = 0;
 }
