@@ -197,7 +197,7 @@ def greedy_next(model, tokens):
     return generate.sample_next(model(tokens, deterministic=True, decode=True, logits_at=last))
 
 
-def _paged_step(graphdef, state, pools, table, lengths, tokens, blocks=None, pick=False):
+def paged_step(graphdef, state, pools, table, lengths, tokens, blocks=None, pick=False):
     """``(out, pools)`` of a chunk through paged caches (int8 ones with scales), over the
     work list ``blocks`` (``paged.block_list``) or, None, the whole page table. ``out``: the
     logits ``[B, T, V]``; with ``pick``, each row's next token ``[B]`` (:func:`greedy_next`)."""
@@ -224,7 +224,7 @@ def int8_logit_error(
         np.random.default_rng(1).integers(0, model.cfg.vocab_size, (rows, prompt + 1))
     )
     table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
-    step = jax.jit(_paged_step, static_argnums=0)
+    step = jax.jit(paged_step, static_argnums=0)
     logits = {}
     for quantized in (False, True):
         c = paged.init_paged_cache(
@@ -313,8 +313,8 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     max_pages = paged.pages_needed(capacity, page_size)
     tokens = jnp.zeros((slots, 1), jnp.int32)
     full_table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)
-    paged_step = partial(_paged_step, pick=True)
-    paged_fn = jax.jit(partial(from_leaves, paged_step, graphdef, treedef), donate_argnums=1)
+    picking = partial(paged_step, pick=True)
+    paged_fn = jax.jit(partial(from_leaves, picking, graphdef, treedef), donate_argnums=1)
     contiguous_fn = jax.jit(
         partial(from_leaves, contiguous_step, graphdef, treedef), donate_argnums=1
     )

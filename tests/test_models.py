@@ -22,7 +22,7 @@ from flax import nnx
 
 from jattn import models
 from jattn import nnx as jnnx
-from jattn.models import generation
+from jattn.models import generation, layers
 
 GPT_CFG = dict(
     vocab_size=97,
@@ -97,6 +97,16 @@ def test_any_number_of_batch_dims():
     out = model(stacked)
     assert out.shape == (2, 2, 6, 97)
     np.testing.assert_allclose(out[1], ref[::-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+def test_gelu_is_chapter_4s_formula_in_the_inputs_dtype(dtype, tol):
+    x = jnp.asarray(np.linspace(-12.0, 12.0, 20001), dtype)
+    y = layers.gelu(x)
+    assert y.dtype == dtype
+    t = np.asarray(x, np.float64)  # the formula in float64 on the rounded inputs
+    ref = 0.5 * t * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (t + 0.044715 * t**3)))
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, atol=tol, rtol=tol)
 
 
 def test_bfloat16_gpt_runs_in_bfloat16_close_to_float32():
