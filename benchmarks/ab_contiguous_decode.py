@@ -92,17 +92,7 @@ def main(argv=None) -> None:
           f"jax {jax.__version__}; load {bs.load()}")  # fmt: skip
     model = MODELS[args.model]()
     steps = step_candidates(model, args.rows, args.capacity, args.fills)
-    states = {}
-    for fill in args.fills:  # the same greedy tokens from the same caches
-        picked = {}
-        for path in ("kernel", "mask"):
-            step, caches = steps[(path, fill)]
-            picked[path], states[(path, fill)] = step(caches)
-        np.testing.assert_array_equal(picked["kernel"], picked["mask"])
-    steps = {k: (lambda c, f=f: f(c)[1], states[k]) for k, (f, _) in steps.items()}
-    single, states, _ = bs.interleaved_medians(steps, args.repeats)
-    steps = {k: (f, states[k]) for k, (f, _) in steps.items()}
-    runs, _, _ = bs.interleaved_medians(steps, args.repeats, bs.BURST)
+    single, runs = bs.checked_medians(steps, args.repeats)
     print(f"\n{args.model}, {args.rows} rows, capacity {args.capacity}: ms per step "
           "(medians; one call at a time / in runs of 8)\n")  # fmt: skip
     print("| filled | fused paged kernel | mask path | mask / kernel |")

@@ -28,7 +28,6 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,17 +93,7 @@ def main(argv=None) -> None:
     print(f"CPU: {cpu_description()}; XLA sgemm {sgemm_gflops():.0f} GFLOP/s; "
           f"jax {jax.__version__}; load {bs.load()}")  # fmt: skip
     steps, split = candidates(args.rows, args.capacity, args.page_size)
-    states = {}
-    for name, _ in FILLS:  # the same greedy tokens from the same pools
-        picked = {}
-        for form in FORMS:
-            step, pools = steps[(form, name)]
-            picked[form], states[(form, name)] = step(pools)
-        np.testing.assert_array_equal(*picked.values())
-    steps = {k: (lambda c, f=f: f(c)[1], states[k]) for k, (f, _) in steps.items()}
-    single, states, _ = bs.interleaved_medians(steps, args.repeats)
-    steps = {k: (f, states[k]) for k, (f, _) in steps.items()}
-    runs, _, _ = bs.interleaved_medians(steps, args.repeats, bs.BURST)
+    single, runs = bs.checked_medians(steps, args.repeats)
     print(f"\nscaled GPT-2, {args.rows} rows, capacity {args.capacity}: ms per step "
           "(medians; one call at a time / in runs of 8)\n")  # fmt: skip
     print("| GELU | fusions split over threads | " + " | ".join(n for n, _ in FILLS)

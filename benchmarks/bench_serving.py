@@ -279,6 +279,24 @@ def interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}, states, times
 
 
+def checked_medians(steps: dict, repeats: int) -> tuple[dict, dict]:
+    """``(one call at a time, in runs of BURST)``: the median seconds of each step in
+    ``steps`` ({(candidate, case): (step, state)}, ``step(state) -> (tokens, state)``,
+    :func:`interleaved_medians`), once every candidate is checked to pick the same greedy
+    tokens in each case."""
+    picked, states = {}, {}
+    for key, (step, state) in steps.items():
+        picked[key], states[key] = step(state)
+    for (_, case), tokens in picked.items():
+        first = next(t for (_, c), t in picked.items() if c == case)
+        np.testing.assert_array_equal(tokens, first)
+    steps = {k: (lambda c, f=f: f(c)[1], states[k]) for k, (f, _) in steps.items()}
+    single, states, _ = interleaved_medians(steps, repeats)
+    steps = {k: (f, states[k]) for k, (f, _) in steps.items()}
+    runs, _, _ = interleaved_medians(steps, repeats, BURST)
+    return single, runs
+
+
 def _ratio_quartiles(times: dict, a, b, repeats: int) -> tuple[float, float]:
     """The quartiles over rounds of candidate ``a``'s seconds / ``b``'s (each round's calls
     averaged): how much the ratio of the medians moves from round to round."""
