@@ -223,8 +223,10 @@ inline vf pick_lanes(vf a, vf b, std::integer_sequence<int, U...>) {
 template <int H>
 inline void lane_sums(vf* x) {
   constexpr auto lanes = std::make_integer_sequence<int, W>{};
-  for (int m = 0; m < H; ++m)
-    x[m] = pick_lanes<H, false>(x[m], x[m + H], lanes) + pick_lanes<H, true>(x[m], x[m + H], lanes);
+  for (int m = 0; m < H; ++m) {
+    const vf a = x[m], b = x[m + H];
+    x[m] = pick_lanes<H, false>(a, b, lanes) + pick_lanes<H, true>(a, b, lanes);
+  }
   if constexpr (H > 1) lane_sums<H / 2>(x);
 }
 
