@@ -9,6 +9,7 @@ book's Qwen3 ``RMSNorm`` and ``torch.nn.RMSNorm``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -59,7 +60,7 @@ class LayerNorm(nnx.Module):
         return (scale * norm + shift).astype(self.dtype or x.dtype)
 
 
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _CUBIC = _SQRT_2_OVER_PI * 0.044715
 
 

@@ -405,11 +405,10 @@ void flush(const PagedParams& p, const Block<E>& b, const float* kt, Pending* w)
   for (int i = 0; by_keys && i < w->count; ++i) logits_keys(p, b, w->seen[i], w->q[i], w->s[i]);
   // kQueries queries accumulate together over the keys any of them sees
   const int64_t n = *std::max_element(w->seen, w->seen + w->count);
-  for (int i = 0; i < w->count; ++i) {
-    const bool logits = kt != nullptr || by_keys;
-    const int64_t zero_to = w->count == kQueries ? n : 0;
+  const int64_t zero_to = w->count == kQueries ? n : 0;
+  const bool logits = kt != nullptr || by_keys;
+  for (int i = 0; i < w->count; ++i)
     w->alpha[i] = softmax_block(p, b, w->seen[i], w->q[i], logits, w->s[i], w->st[i], zero_to);
-  }
   if (w->count == kQueries) {
     accumulate<kQueries>(p, b, n, w->s, w->alpha, w->acc);
   } else {
