@@ -23,6 +23,13 @@ Usage (from the repository root)::
     cp jattn/kernels/cpu/_jattn_cpu*.so /tmp/after.so
     python benchmarks/ab_paged_kernel.py /tmp/before.so /tmp/after.so
 
+``--step`` times the builds inside ``generate_many``'s whole decoding step instead
+(``bench_serving.step_candidates``: the scaled GPT-2, 16 rows, greedy pick), with one page a
+row and at each ``--fill`` (10% and 100% among them), one call at a time and in runs of 8,
+after checking the builds pick the same tokens: what a change costs or saves where the
+kernel runs between the model's matmuls, with their weights in the caches beside its pages
+and XLA's pool threads woken as the step wakes them.
+
 ``--same-bits 600`` first requires every build to give the first one's bits on 600 random
 calls (float and int8 pages, GQA, chunks, key splits): for a change meant to leave the
 arithmetic alone. ``JATTN_CPU_ISA=avx2`` (or ``generic``) runs the builds' narrower kernels.
@@ -40,21 +47,30 @@ import glob
 import os
 import statistics
 import time
+from functools import partial
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.kernels.cpu import _library  # --step patches its target name
+
 PAGE = 16
 
 
+def target(i: int) -> str:
+    """The FFI target name build ``i`` is registered under."""
+    return f"ab_paged_{i}"
+
+
 def register(paths: list[str]) -> dict:
-    """{file name: jitted call} of each build's paged handler, registered as ``ab_paged_<i>``:
+    """{file name: jitted call} of each build's paged handler, registered as ``target(i)``:
     ``call(q, k_pages, v_pages, table, starts, num_real, lengths, k_scales=, v_scales=)``
     (the scales for int8 pages)."""
     calls = {}
     for i, path in enumerate(paths):
-        name = f"ab_paged_{i}"
+        name = target(i)
         handler = ctypes.CDLL(os.path.abspath(path)).JattnCpuPagedAttention
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
 
@@ -133,6 +149,26 @@ def last_level_cache_bytes(default: int = 64 << 20) -> int:
     return max(sizes, default=default)
 
 
+def step_ab(builds: list[str], fills: list[float], repeats: int) -> None:
+    """Prints ``--step``'s table: the decoding step with each build's kernel (its target
+    patched in while the step is traced)."""
+    import bench_serving as bs  # beside this script; imports the models
+
+    _library.library()  # jattn's own targets registered before the patch
+    variants = {
+        os.path.basename(path): partial(mock.patch.object, _library, "PAGED_TARGET", target(i))
+        for i, path in enumerate(builds)
+    }
+    cases = [("one page", 0.0), *((f"{f:.0%}", f) for f in fills)]
+    steps, texts = bs.step_candidates(variants, cases)
+    for i, (name, text) in enumerate(texts.items()):
+        assert target(i) in text, f"{name}'s step does not call its build"
+    single, runs = bs.checked_medians(steps, repeats)
+    print(f"scaled GPT-2's decoding step, 16 rows, capacity 743: ms per step (medians of "
+          f"{repeats}; one call at a time / in runs of {bs.BURST})\n")  # fmt: skip
+    print(bs.step_table("build", single, runs, cases))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("builds", nargs="+", help="kernel library files (.so) to compare")
@@ -149,10 +185,13 @@ def main(argv=None) -> None:
     )  # fmt: skip
     p.add_argument("--pages", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--convert", action="store_true", help="also the pools as float32 in the call")
+    p.add_argument("--step", action="store_true", help="time the model's whole decoding step")
     args = p.parse_args(argv)
     calls = register(args.builds)
     if args.same_bits:
         check_same_bits(calls, args.same_bits)
+    if args.step:
+        return step_ab(args.builds, args.fill, args.repeats)
     if args.convert:
         calls.update({f"{name} via float32": via_float32(call) for name, call in calls.items()})
     rows, heads, dim = args.rows, args.heads, args.head_dim

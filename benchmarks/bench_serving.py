@@ -297,6 +297,70 @@ def checked_medians(steps: dict, repeats: int) -> tuple[dict, dict]:
     return single, runs
 
 
+def _compiled_step(rows: int, table, page_size: int):
+    """``(compiled, state leaves, pools)``: the scaled GPT-2's greedy :func:`paged_step` on
+    ``rows`` rows of one new token, compiled for page table ``table``; ``pools()`` makes
+    zeroed pools for it."""
+    model = models.GPTModel(gpt2_cfg(8192), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    state, treedef = jax.tree.flatten(state)
+    att, layers = model.trf_blocks[0].att, len(model.trf_blocks)
+    pool = (table.size, page_size, att.kv_heads, att.head_dim)
+
+    def pools():
+        return [tuple(jnp.zeros(pool, jnp.float32) for _ in "kv") for _ in range(layers)]
+
+    step = partial(from_leaves, partial(paged_step, pick=True), graphdef, treedef)
+    ints = (table, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, 1), jnp.int32))
+    return jax.jit(step, donate_argnums=1).lower(state, pools(), *ints).compile(), state, pools
+
+
+def step_candidates(variants: dict, fills, rows=16, capacity=743, page_size=16):
+    """The decoding step ``generate_many`` runs (:func:`paged_step` with the greedy pick)
+    on the scaled GPT-2, one candidate per variant and fill, for the one-process A/B scripts.
+
+    ``variants``: ``{name: a function returning a context manager}``, entered while the
+    model is built and its step compiled (it patches what the variant changes). ``fills``:
+    ``(name, fraction)`` pairs, rows :func:`fill_width` pages wide (0: one page) and filled
+    to one position short of that. Returns ``({(variant, fill name): (step, pools)},
+    {variant: the compiled step's text})``, ``step(pools) -> (tokens, pools)``, for
+    :func:`checked_medians`.
+    """
+    max_pages = paged.pages_needed(capacity, page_size)
+    table = jnp.arange(rows * max_pages, dtype=jnp.int32).reshape(rows, max_pages)
+    tokens = jnp.zeros((rows, 1), jnp.int32)
+    steps, texts = {}, {}
+    for name, variant in variants.items():
+        with variant():
+            compiled, state, pools = _compiled_step(rows, table, page_size)
+        texts[name] = compiled.as_text()
+        for fill_name, fill in fills:
+            width = fill_width(fill, max_pages) if fill else 1
+            lengths = jnp.full((rows,), width * page_size - 1, jnp.int32)  # room for one
+
+            def call(pools, compiled=compiled, state=state, lengths=lengths):
+                return compiled(state, pools, table, lengths, tokens)
+
+            steps[(name, fill_name)] = (call, pools())
+    return steps, texts
+
+
+def step_table(label: str, single: dict, runs: dict, fills, columns=None) -> str:
+    """A markdown table of :func:`checked_medians`' ms per step, one row per variant: ``one
+    call at a time / in runs`` per fill, the ``columns`` ({title: {variant: cell}}) before
+    them and the 10% / 100% ratios (fills named "10%" and "100%") after."""
+    columns = columns or {}
+    variants = list(dict.fromkeys(v for v, _ in single))
+    head = [label, *columns, *(n for n, _ in fills), "10% / 100%"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for v in variants:
+        cells = [str(columns[c][v]) for c in columns]
+        cells += [f"{single[(v, n)] * 1e3:.2f} / {runs[(v, n)] * 1e3:.2f}" for n, _ in fills]
+        ratio = [d[(v, "10%")] / d[(v, "100%")] for d in (single, runs)]
+        lines.append("| " + " | ".join([v, *cells, f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"]) + " |")
+    return "\n".join(lines)
+
+
 def _ratio_quartiles(times: dict, a, b, repeats: int) -> tuple[float, float]:
     """The quartiles over rounds of candidate ``a``'s seconds / ``b``'s (each round's calls
     averaged): how much the ratio of the medians moves from round to round."""
