@@ -255,6 +255,14 @@ def from_leaves(step, graphdef, treedef, leaves, *args):
     return step(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
 
+def greedy_paged_fn(graphdef, treedef):
+    """``fn(state leaves, pools, table, lengths, tokens[, blocks]) -> (tokens, pools)``:
+    :func:`paged_step` with the greedy pick, jitted with the pools donated and the state
+    passed as flat leaves (:func:`from_leaves`), as ``generate_many`` runs its step."""
+    step = partial(from_leaves, partial(paged_step, pick=True), graphdef, treedef)
+    return jax.jit(step, donate_argnums=1)
+
+
 def interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
     """Median seconds of each ``state = step(state)`` in ``steps`` ({name: (step, state)}),
     the candidates called in turn every round so that background load hits them alike.
@@ -310,9 +318,8 @@ def _compiled_step(rows: int, table, page_size: int):
     def pools():
         return [tuple(jnp.zeros(pool, jnp.float32) for _ in "kv") for _ in range(layers)]
 
-    step = partial(from_leaves, partial(paged_step, pick=True), graphdef, treedef)
     ints = (table, jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, 1), jnp.int32))
-    return jax.jit(step, donate_argnums=1).lower(state, pools(), *ints).compile(), state, pools
+    return greedy_paged_fn(graphdef, treedef).lower(state, pools(), *ints).compile(), state, pools
 
 
 def step_candidates(variants: dict, fills, rows=16, capacity=743, page_size=16):
@@ -395,8 +402,7 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
     max_pages = paged.pages_needed(capacity, page_size)
     tokens = jnp.zeros((slots, 1), jnp.int32)
     full_table = jnp.arange(slots * max_pages, dtype=jnp.int32).reshape(slots, max_pages)
-    picking = partial(paged_step, pick=True)
-    paged_fn = jax.jit(partial(from_leaves, picking, graphdef, treedef), donate_argnums=1)
+    paged_fn = greedy_paged_fn(graphdef, treedef)
     contiguous_fn = jax.jit(
         partial(from_leaves, contiguous_step, graphdef, treedef), donate_argnums=1
     )
