@@ -15,6 +15,8 @@ CSRC = "jattn/kernels/cpu/csrc"
 SOURCES = [f"{CSRC}/{name}.cc" for name in ("ffi", "attention_avx512", "attention_avx2",
                                             "attention_generic", "paged_avx512", "paged_avx2",
                                             "paged_generic", "argmax")]  # fmt: skip
+HEADERS = [f"{CSRC}/{name}" for name in ("attention.h", "attention_impl.h", "simd.h", "paged.h",
+                                         "paged_impl.h", "argmax_impl.h")]  # fmt: skip
 
 
 class BuildKernel(build_ext):
@@ -38,10 +40,7 @@ setup(
             "jattn.kernels.cpu._jattn_cpu",
             sources=SOURCES,
             include_dirs=[CSRC, f"{CSRC}/vendor"],
-            depends=[
-                f"{CSRC}/{name}"
-                for name in ("attention.h", "attention_impl.h", "simd.h", "paged.h", "paged_impl.h")
-            ],
+            depends=HEADERS,
             language="c++",
             optional=True,
         )

@@ -9,7 +9,7 @@ dense CPU kernel by the automatic rule). This script times both, in one process:
 path. Both steps are the whole model (``bench_serving.py``'s scaled GPT-2, or its scaled
 Qwen3 with ``--model qwen3``: grouped-query attention and RoPE), ``--rows`` rows of one new token, rows
 filled to each ``--fills`` fraction of ``--capacity``; the candidates called in turn
-(``bench_serving.interleaved_medians``), one call at a time and in runs of 8. Their
+(``bench_serving.timed_modes``), one call at a time, in runs of 8 and in runs of 32. Their
 greedy tokens are checked equal first.
 
 Usage (from the repository root)::
@@ -92,16 +92,16 @@ def main(argv=None) -> None:
           f"jax {jax.__version__}; load {bs.load()}")  # fmt: skip
     model = MODELS[args.model]()
     steps = step_candidates(model, args.rows, args.capacity, args.fills)
-    single, runs = bs.checked_medians(steps, args.repeats)
+    medians = bs.checked_medians(steps, args.repeats)
     print(f"\n{args.model}, {args.rows} rows, capacity {args.capacity}: ms per step "
-          "(medians; one call at a time / in runs of 8)\n")  # fmt: skip
+          f"(medians; {bs.MODE_TITLES})\n")  # fmt: skip
     print("| filled | fused paged kernel | mask path | mask / kernel |")
     print("|---|---|---|---|")
     for fill in args.fills:
         k, m = ("kernel", fill), ("mask", fill)
-        print(f"| {fill:.0%} | {single[k] * 1e3:.2f} / {runs[k] * 1e3:.2f} | "
-              f"{single[m] * 1e3:.2f} / {runs[m] * 1e3:.2f} | "
-              f"{single[m] / single[k]:.2f}x / {runs[m] / runs[k]:.2f}x |")  # fmt: skip
+        cells = [" / ".join(f"{d[c] * 1e3:.2f}" for d in medians) for c in (k, m)]
+        ratio = " / ".join(f"{d[m] / d[k]:.2f}x" for d in medians)
+        print(f"| {fill:.0%} | {cells[0]} | {cells[1]} | {ratio} |")
 
 
 if __name__ == "__main__":

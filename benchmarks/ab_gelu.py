@@ -9,7 +9,7 @@ the second arrangement, fused with the bias add before it, does; on a decoding s
 ``bench_serving.py``'s scaled GPT-2 twice, once with each GELU, and times
 ``generate_many``'s decoding step (the whole model on paged caches, greedy pick) with one
 page a row and rows filled to 10% and 100% of ``--capacity``, the candidates called in
-turn (``bench_serving.interleaved_medians``), one call at a time and in runs of 8. It
+turn (``bench_serving.timed_modes``), one call at a time, in runs of 8 and of 32. It
 checks their greedy tokens equal first, and counts the compiled step's loop fusions split
 over threads.
 
@@ -59,10 +59,10 @@ def main(argv=None) -> None:
     variants = {f: partial(mock.patch.object, layers, "gelu", g) for f, g in FORMS.items()}
     steps, texts = bs.step_candidates(variants, FILLS, args.rows, args.capacity, args.page_size)
     split = {form: split_fusions(text) for form, text in texts.items()}
-    single, runs = bs.checked_medians(steps, args.repeats)
+    medians = bs.checked_medians(steps, args.repeats)
     print(f"\nscaled GPT-2, {args.rows} rows, capacity {args.capacity}: ms per step "
-          "(medians; one call at a time / in runs of 8)\n")  # fmt: skip
-    print(bs.step_table("GELU", single, runs, FILLS, {"fusions split over threads": split}))
+          f"(medians; {bs.MODE_TITLES})\n")  # fmt: skip
+    print(bs.step_table("GELU", medians, FILLS, {"fusions split over threads": split}))
 
 
 if __name__ == "__main__":

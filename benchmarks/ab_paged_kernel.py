@@ -25,7 +25,8 @@ Usage (from the repository root)::
 
 ``--step`` times the builds inside ``generate_many``'s whole decoding step instead
 (``bench_serving.step_candidates``: the scaled GPT-2, 16 rows, greedy pick), with one page a
-row and at each ``--fill`` (10% and 100% among them), one call at a time and in runs of 8,
+row and at each ``--fill`` (10% and 100% among them), in ``bench_serving.MODES`` (one call
+at a time, in runs of 8, calls 17-32 of runs of 32),
 after checking the builds pick the same tokens: what a change costs or saves where the
 kernel runs between the model's matmuls, with their weights in the caches beside its pages
 and XLA's pool threads woken as the step wakes them.
@@ -163,10 +164,10 @@ def step_ab(builds: list[str], fills: list[float], repeats: int) -> None:
     steps, texts = bs.step_candidates(variants, cases)
     for i, (name, text) in enumerate(texts.items()):
         assert target(i) in text, f"{name}'s step does not call its build"
-    single, runs = bs.checked_medians(steps, repeats)
+    medians = bs.checked_medians(steps, repeats)
     print(f"scaled GPT-2's decoding step, 16 rows, capacity 743: ms per step (medians of "
-          f"{repeats}; one call at a time / in runs of {bs.BURST})\n")  # fmt: skip
-    print(bs.step_table("build", single, runs, cases))
+          f"{repeats}; {bs.MODE_TITLES})\n")  # fmt: skip
+    print(bs.step_table("build", medians, cases))
 
 
 def main(argv=None) -> None:

@@ -32,7 +32,10 @@ Figures, all from one process:
   ``--step-repeats`` calls, the candidates in turn: once one call at a time (each call
   follows another candidate's, with its weights and pages often out of the caches), once in
   runs of ``BURST`` consecutive calls (the first of each run left out), as a serving loop
-  runs one step after another.
+  runs one step after another, and once in runs of ``STEADY`` (the first ``STEADY_SKIP``
+  left out): on a CPU whose caches take several passes to hold a step's weights again
+  after another candidate's pages went through them, the short runs still pay for the
+  candidate before; the long ones time a step in a loop at its own fill.
 * **vs the book.** ``llms_from_scratch.kv_cache_batched`` (Qwen3, PyTorch) generating
   for the same prompts (it takes one ``[batch, T]`` tensor: prompts right-padded to the
   longest, every row ``max(max_new_tokens)`` tokens; ``--book-batch`` rows at a time),
@@ -74,6 +77,23 @@ from jattn.models.serving import PREFILL_CHUNK
 RESULTS = os.path.join(os.path.dirname(__file__), "serving_results.md")
 # Consecutive calls per candidate and round in the "runs" decode-step figures.
 BURST = 8
+# The "steady" decode-step figures: runs of STEADY calls, the first STEADY_SKIP left out.
+# After another candidate's pages went through the caches, a small step here (AMD EPYC
+# Zen 5, 2 cores) takes 8-10 calls to get back to its speed, not one (the one-page step,
+# ms per call of a run after the 100% step: 0.77 0.70 0.67 0.64 0.61 0.59 0.55 0.52 0.51
+# 0.48 0.47 ...0.45; after a plain 64 MB read alike; reading its weights 8 times first
+# takes most of it away): a cache's residency builds over passes, so calls 2-8 of a run
+# still measure the candidate before. From call 17 on, a run times the step in a loop of
+# its own, as a serving loop at that fill runs it.
+STEADY, STEADY_SKIP = 32, 16
+# The decode-step timing modes: (title, consecutive calls per candidate and round, the
+# calls left out at the start of each run).
+MODES = (
+    ("one call at a time", 1, 0),
+    (f"in runs of {BURST}", BURST, 1),
+    (f"calls {STEADY_SKIP + 1}-{STEADY} of runs of {STEADY}", STEADY, STEADY_SKIP),
+)
+MODE_TITLES = " / ".join(title for title, _, _ in MODES)
 
 
 def gpt2_cfg(vocab: int) -> dict:
@@ -263,15 +283,15 @@ def greedy_paged_fn(graphdef, treedef):
     return jax.jit(step, donate_argnums=1)
 
 
-def interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
+def interleaved_medians(steps: dict, repeats: int, burst: int = 1, skip: int = 0) -> dict:
     """Median seconds of each ``state = step(state)`` in ``steps`` ({name: (step, state)}),
     the candidates called in turn every round so that background load hits them alike.
 
     ``burst`` 1: one call per candidate a round (every call follows another candidate's,
     its weights and pages often out of the caches); more: ``burst`` consecutive calls per
-    candidate a round, the first left out, as a serving loop runs one step after another.
-    Returns the medians, the last states (the steps donate theirs) and every timed call's
-    seconds, in round order.
+    candidate a round, the first ``skip`` left out, as a serving loop runs one step after
+    another. Returns the medians, the last states (the steps donate theirs) and every timed
+    call's seconds, in round order.
     """
     states = {k: step(state) for k, (step, state) in steps.items()}  # compile, warm up
     jax.block_until_ready(states)
@@ -282,16 +302,28 @@ def interleaved_medians(steps: dict, repeats: int, burst: int = 1) -> dict:
                 t = time.perf_counter()
                 states[k] = step(states[k])
                 jax.block_until_ready(states[k])
-                if burst == 1 or i > 0:
+                if i >= skip:
                     times[k].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}, states, times
 
 
-def checked_medians(steps: dict, repeats: int) -> tuple[dict, dict]:
-    """``(one call at a time, in runs of BURST)``: the median seconds of each step in
-    ``steps`` ({(candidate, case): (step, state)}, ``step(state) -> (tokens, state)``,
-    :func:`interleaved_medians`), once every candidate is checked to pick the same greedy
-    tokens in each case."""
+def timed_modes(steps: dict, repeats: int) -> tuple[list, list]:
+    """``(medians, times)``: per mode of MODES, :func:`interleaved_medians`' medians and
+    every timed call's seconds for ``steps``, each mode starting from the states the one
+    before left."""
+    medians, times = [], []
+    for _, burst, skip in MODES:
+        median, states, seconds = interleaved_medians(steps, repeats, burst, skip)
+        steps = {k: (step, states[k]) for k, (step, _) in steps.items()}
+        medians.append(median)
+        times.append(seconds)
+    return medians, times
+
+
+def checked_medians(steps: dict, repeats: int) -> list:
+    """Per mode of MODES, the median seconds of each step in ``steps`` ({(candidate, case):
+    (step, state)}, ``step(state) -> (tokens, state)``, :func:`timed_modes`), once every
+    candidate is checked to pick the same greedy tokens in each case."""
     picked, states = {}, {}
     for key, (step, state) in steps.items():
         picked[key], states[key] = step(state)
@@ -299,10 +331,7 @@ def checked_medians(steps: dict, repeats: int) -> tuple[dict, dict]:
         first = next(t for (_, c), t in picked.items() if c == case)
         np.testing.assert_array_equal(tokens, first)
     steps = {k: (lambda c, f=f: f(c)[1], states[k]) for k, (f, _) in steps.items()}
-    single, states, _ = interleaved_medians(steps, repeats)
-    steps = {k: (f, states[k]) for k, (f, _) in steps.items()}
-    runs, _, _ = interleaved_medians(steps, repeats, BURST)
-    return single, runs
+    return timed_modes(steps, repeats)[0]
 
 
 def _compiled_step(rows: int, table, page_size: int):
@@ -352,19 +381,19 @@ def step_candidates(variants: dict, fills, rows=16, capacity=743, page_size=16):
     return steps, texts
 
 
-def step_table(label: str, single: dict, runs: dict, fills, columns=None) -> str:
-    """A markdown table of :func:`checked_medians`' ms per step, one row per variant: ``one
-    call at a time / in runs`` per fill, the ``columns`` ({title: {variant: cell}}) before
-    them and the 10% / 100% ratios (fills named "10%" and "100%") after."""
+def step_table(label: str, medians: list, fills, columns=None) -> str:
+    """A markdown table of :func:`checked_medians`' ms per step, one row per variant: the
+    modes' (MODE_TITLES) per fill, the ``columns`` ({title: {variant: cell}}) before them
+    and the 10% / 100% ratios (fills named "10%" and "100%") after."""
     columns = columns or {}
-    variants = list(dict.fromkeys(v for v, _ in single))
+    variants = list(dict.fromkeys(v for v, _ in medians[0]))
     head = [label, *columns, *(n for n, _ in fills), "10% / 100%"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in variants:
         cells = [str(columns[c][v]) for c in columns]
-        cells += [f"{single[(v, n)] * 1e3:.2f} / {runs[(v, n)] * 1e3:.2f}" for n, _ in fills]
-        ratio = [d[(v, "10%")] / d[(v, "100%")] for d in (single, runs)]
-        lines.append("| " + " | ".join([v, *cells, f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"]) + " |")
+        cells += [" / ".join(f"{d[(v, n)] * 1e3:.2f}" for d in medians) for n, _ in fills]
+        ratio = " / ".join(f"{d[(v, '10%')] / d[(v, '100%')]:.2f}x" for d in medians)
+        lines.append("| " + " | ".join([v, *cells, ratio]) + " |")
     return "\n".join(lines)
 
 
@@ -377,9 +406,9 @@ def _ratio_quartiles(times: dict, a, b, repeats: int) -> tuple[float, float]:
 
 
 def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int):
-    """Seconds of one decoding step at 10% and 100% filled, ``(one call at a time, in runs
-    of BURST consecutive calls, the quartiles over rounds of the paged 10% / 100% ratio in
-    each)`` (:func:`interleaved_medians`).
+    """Seconds of one decoding step at 10% and 100% filled, ``(medians, spread)``: per mode
+    of MODES (:func:`timed_modes`), the medians and the quartiles over rounds of the paged
+    10% / 100% ratio.
 
     Four candidates per fill: the whole model (picking each row's next token, greedy, with
     the output head at the last position only) on paged caches as ``generate_many``'s
@@ -467,15 +496,9 @@ def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int)
         steps[("table", fill)] = (table_call, pools())
         steps[("contiguous", fill)] = (contiguous, caches)
         steps[("layer", fill)] = (layer_call, empty)
-    single, states, times = interleaved_medians(steps, repeats)
-    steps = {k: (step, states[k]) for k, (step, _) in steps.items()}
-    runs, _, run_times = interleaved_medians(steps, repeats, BURST)
+    medians, times = timed_modes(steps, repeats)
     pair = ("paged", 0.1), ("paged", 1.0)
-    spread = (
-        _ratio_quartiles(times, *pair, repeats),
-        _ratio_quartiles(run_times, *pair, repeats),
-    )
-    return single, runs, spread
+    return medians, [_ratio_quartiles(t, *pair, repeats) for t in times]
 
 
 def fill_width(fill: float, max_pages: int) -> int:
@@ -586,7 +609,9 @@ def main(argv=None) -> None:
     useful = sum(len(o) for o in outs)
     stopped = sum(len(o) < m for o, m in zip(outs, max_new, strict=True))
     agree = np.mean([o.tolist() == static[i, : len(o)].tolist() for i, o in enumerate(outs)])
-    steps, runs, spread = decode_steps(gpt, args.slots, capacity, args.page_size, args.step_repeats)
+    (steps, runs, steady), spread = decode_steps(
+        gpt, args.slots, capacity, args.page_size, args.step_repeats
+    )
     int8_error, int8_agree = int8_logit_error(gpt, args.page_size)
     pick, peer_pick = greedy_pick(args.slots, args.vocab, 10 * args.step_repeats)
 
@@ -623,6 +648,11 @@ def main(argv=None) -> None:
          f"**{runs[('paged', 0.1)] / runs[('paged', 1.0)]:.2f}x** "
          f"({runs[('paged', 0.1)] * 1e3:.1f} / {runs[('paged', 1.0)] * 1e3:.1f} ms; "
          f"rounds' quartiles {spread[1][0]:.2f}-{spread[1][1]:.2f}x)", "<= 0.3x"),
+        (f"the same step in runs of {STEADY} consecutive steps, the first {STEADY_SKIP} "
+         "left out (once the caches hold what a step at that fill reuses), 10% / 100% filled",
+         f"**{steady[('paged', 0.1)] / steady[('paged', 1.0)]:.2f}x** "
+         f"({steady[('paged', 0.1)] * 1e3:.2f} / {steady[('paged', 1.0)] * 1e3:.2f} ms; "
+         f"rounds' quartiles {spread[2][0]:.2f}-{spread[2][1]:.2f}x)", "<= 0.3x"),
         ("the same step (one call at a time) with one page per row: the part of a step that "
          "does not follow the tokens held",
          f"{floor * 1e3:.1f} ms", ""),
@@ -637,9 +667,12 @@ def main(argv=None) -> None:
          "a step bound by memory traffic alone",
          f"{(weights + kv[0.1]) / (weights + kv[1.0]):.2f}x ({weights / 1e6:.1f} MB weights; "
          f"KV {kv[0.1] / 1e6:.1f} / {kv[1.0] / 1e6:.1f} MB)", ""),
-        (f"the one-page step in runs of {BURST}: the floor with the weights in the caches (one "
-         "call at a time, the previous candidate's call has pushed them out)",
-         f"{runs[('one page', 0.0)] * 1e3:.1f} ms", ""),
+        (f"the one-page step, calls {STEADY_SKIP + 1}-{STEADY} of a run: the floor with a "
+         "step's weights in the caches; over the 100% step alike; and calls "
+         f"2-{BURST} / calls {STEADY_SKIP + 1}-{STEADY}: what the candidate before still costs",
+         f"{steady[('one page', 0.0)] * 1e3:.2f} ms; "
+         f"{steady[('one page', 0.0)] / steady[('paged', 1.0)]:.2f}x; "
+         f"{runs[('one page', 0.0)] / steady[('one page', 0.0)]:.2f}x", ""),
         ("decode step, paged over a page table 10% / 100% of the capacity wide",
          f"{steps[('table', 0.1)] / steps[('table', 1.0)]:.2f}x "
          f"({steps[('table', 0.1)] * 1e3:.1f} / {steps[('table', 1.0)] * 1e3:.1f} ms)", ""),

@@ -1099,6 +1099,26 @@ def test_argmax_is_jnp_argmax(shape, fused, monkeypatch):
     assert ("jattn_cpu_argmax" in jitted.lower(x).as_text()) == fused
 
 
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_argmax_with_each_instruction_set(isa):
+    """Each build of the row kernel (JATTN_CPU_ISA picks a narrower one; vectors of 16, 8
+    and 4 floats) on the hard rows: ``test_argmax_is_jnp_argmax`` in a process of its own."""
+    cpus = {"avx512": ["avx512"], "avx2": ["avx512", "avx2"], "generic": None}[isa]
+    if cpus is not None and _library.library().isa not in cpus:
+        pytest.skip(f"this CPU has no {isa}")
+    env = {**os.environ, "JATTN_CPU_ISA": isa}
+    isa_code = "from jattn.kernels.cpu import _library; print(_library.library().isa)"
+    chosen = subprocess.run([sys.executable, "-c", isa_code], env=env, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert chosen.stdout.strip() == isa, chosen.stdout + chosen.stderr
+    test = f"{__file__}::test_argmax_is_jnp_argmax"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "10 passed in" in done.stdout, done.stdout + done.stderr
+
+
 def test_argmax_lowers_without_the_cpu_target_for_gpu():
     """Lowered for CUDA from this host, the pick is XLA's reductions, no CPU custom call."""
     x = jnp.zeros((4, 100), jnp.float32)

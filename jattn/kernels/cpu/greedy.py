@@ -4,8 +4,8 @@ Decoding picks each row's next token from ``[rows, vocab]`` logits. XLA's CPU ar
 reduction over (value, index) pairs, and even as two plain reductions (the largest value,
 then the first index holding it) it takes about a fifth of a small model's decoding step
 on ``[16, 8192]`` logits. On CPU with jattn's kernel built, :func:`argmax` is one
-``jax.ffi.ffi_call`` (``jattn_cpu_argmax``) that reads each row twice at memory speed;
-elsewhere (another platform's lowering, or no kernel) it is the two reductions. Both give
+``jax.ffi.ffi_call`` (``jattn_cpu_argmax``) that reads each row once, in the widest
+vectors the CPU has (those of the attention kernels' instruction set); elsewhere (another platform's lowering, or no kernel) it is the two reductions. Both give
 ``jnp.argmax``'s answer: the first NaN of a row that holds one, else its first largest
 value.
 """
