@@ -16,7 +16,7 @@ SOURCES = [f"{CSRC}/{name}.cc" for name in ("ffi", "attention_avx512", "attentio
                                             "attention_generic", "paged_avx512", "paged_avx2",
                                             "paged_generic", "argmax")]  # fmt: skip
 HEADERS = [f"{CSRC}/{name}" for name in ("attention.h", "attention_impl.h", "simd.h", "paged.h",
-                                         "paged_impl.h", "argmax_impl.h")]  # fmt: skip
+                                         "paged_impl.h", "argmax_impl.h", "isa_target.h")]  # fmt: skip
 
 
 class BuildKernel(build_ext):

@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "isa_target.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,34 +25,20 @@ constexpr int W = 4;
 #include "argmax_impl.h"
 }  // namespace argmax_generic
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,bmi2")
-#endif
+#if JATTN_X86_TARGETS
+JATTN_TARGET_AVX2
 namespace argmax_avx2 {
 constexpr int W = 8;
 #include "argmax_impl.h"
 }  // namespace argmax_avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi2"))), apply_to = function)
-#else
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi2")
-#endif
+JATTN_TARGET_END
+
+JATTN_TARGET_AVX512
 namespace argmax_avx512 {
 constexpr int W = 16;
 #include "argmax_impl.h"
 }  // namespace argmax_avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+JATTN_TARGET_END
 #endif
 
 namespace {
@@ -60,7 +47,7 @@ namespace {
 int32_t (*row_argmax())(const float*, int64_t) {
   static const auto chosen = [] {
     const std::string name = jattn_cpu_isa();
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if JATTN_X86_TARGETS
     if (name == "avx512") return &argmax_avx512::row_argmax;
     if (name == "avx2") return &argmax_avx2::row_argmax;
 #endif

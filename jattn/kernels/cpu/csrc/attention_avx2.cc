@@ -6,25 +6,17 @@
 #include <limits>
 
 #include "attention.h"
+#include "isa_target.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,bmi2"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,bmi2")
-#endif
+#if JATTN_X86_TARGETS
+JATTN_TARGET_AVX2
 #define JATTN_ISA avx2
 #define JATTN_ISA_NAME "avx2"
 #define JATTN_W 8
 #define JATTN_MR 6
 #define JATTN_WIDE_MR 0
 #include "attention_impl.h"
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+JATTN_TARGET_END
 
 namespace jattn {
 const Isa* isa_avx2() { return &avx2::kIsa; }

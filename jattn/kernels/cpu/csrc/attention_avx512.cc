@@ -6,14 +6,10 @@
 #include <limits>
 
 #include "attention.h"
+#include "isa_target.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi2"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,bmi2")
-#endif
+#if JATTN_X86_TARGETS
+JATTN_TARGET_AVX512
 #define JATTN_ISA avx512
 #define JATTN_ISA_NAME "avx512"
 #define JATTN_W 16
@@ -22,11 +18,7 @@
 #define JATTN_SCALEF 1
 #include <immintrin.h>
 #include "attention_impl.h"
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+JATTN_TARGET_END
 
 namespace jattn {
 const Isa* isa_avx512() { return &avx512::kIsa; }
