@@ -26,10 +26,10 @@ Usage (from the repository root)::
 ``--step`` times the builds inside ``generate_many``'s whole decoding step instead
 (``bench_serving.step_candidates``: the scaled GPT-2, 16 rows, greedy pick), with one page a
 row and at each ``--fill`` (10% and 100% among them), in ``bench_serving.MODES`` (one call
-at a time, in runs of 8, calls 17-32 of runs of 32),
-after checking the builds pick the same tokens: what a change costs or saves where the
-kernel runs between the model's matmuls, with their weights in the caches beside its pages
-and XLA's pool threads woken as the step wakes them.
+at a time, in runs of 8, calls 17-32 of runs of 32), after checking the builds pick the
+same tokens: what a change costs or saves where the kernel runs between the model's
+matmuls, with their weights in the caches beside its pages and XLA's pool threads woken as
+the step wakes them.
 
 ``--same-bits 600`` first requires every build to give the first one's bits on 600 random
 calls (float and int8 pages, GQA, chunks, key splits): for a change meant to leave the

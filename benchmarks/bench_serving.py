@@ -405,6 +405,14 @@ def _ratio_quartiles(times: dict, a, b, repeats: int) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def paged_ratio(medians: dict, quartiles, ms_digits: int) -> str:
+    """The goal cell of one timing mode: the paged step's 10% / 100% ratio (bold), both
+    steps' ms and the rounds' quartiles of the ratio (:func:`decode_steps`)."""
+    low, high = (medians[("paged", f)] for f in (0.1, 1.0))
+    return (f"**{low / high:.2f}x** ({low * 1e3:.{ms_digits}f} / {high * 1e3:.{ms_digits}f} ms; "
+            f"rounds' quartiles {quartiles[0]:.2f}-{quartiles[1]:.2f}x)")  # fmt: skip
+
+
 def decode_steps(model, slots: int, capacity: int, page_size: int, repeats: int):
     """Seconds of one decoding step at 10% and 100% filled, ``(medians, spread)``: per mode
     of MODES (:func:`timed_modes`), the medians and the quartiles over rounds of the paged
@@ -640,19 +648,13 @@ def main(argv=None) -> None:
          f"{held / (args.requests * capacity):.2f}x", ""),
         ("decode step (whole model, greedy pick), paged (`generate_many`'s: the fused paged "
          "kernel, else over the key blocks held), 10% / 100% filled",
-         f"**{steps[('paged', 0.1)] / steps[('paged', 1.0)]:.2f}x** "
-         f"({steps[('paged', 0.1)] * 1e3:.1f} / {steps[('paged', 1.0)] * 1e3:.1f} ms; "
-         f"rounds' quartiles {spread[0][0]:.2f}-{spread[0][1]:.2f}x)", "<= 0.3x"),
+         paged_ratio(steps, spread[0], 1), "<= 0.3x"),
         (f"the same step in runs of {BURST} consecutive steps (as `generate_many` runs them; "
          "the first of each run left out), 10% / 100% filled",
-         f"**{runs[('paged', 0.1)] / runs[('paged', 1.0)]:.2f}x** "
-         f"({runs[('paged', 0.1)] * 1e3:.1f} / {runs[('paged', 1.0)] * 1e3:.1f} ms; "
-         f"rounds' quartiles {spread[1][0]:.2f}-{spread[1][1]:.2f}x)", "<= 0.3x"),
+         paged_ratio(runs, spread[1], 1), "<= 0.3x"),
         (f"the same step in runs of {STEADY} consecutive steps, the first {STEADY_SKIP} "
          "left out (once the caches hold what a step at that fill reuses), 10% / 100% filled",
-         f"**{steady[('paged', 0.1)] / steady[('paged', 1.0)]:.2f}x** "
-         f"({steady[('paged', 0.1)] * 1e3:.2f} / {steady[('paged', 1.0)] * 1e3:.2f} ms; "
-         f"rounds' quartiles {spread[2][0]:.2f}-{spread[2][1]:.2f}x)", "<= 0.3x"),
+         paged_ratio(steady, spread[2], 2), "<= 0.3x"),
         ("the same step (one call at a time) with one page per row: the part of a step that "
          "does not follow the tokens held",
          f"{floor * 1e3:.1f} ms", ""),
