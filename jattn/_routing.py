@@ -129,6 +129,58 @@ def _kernel_autodiff_obstacle(*arrays) -> str | None:
     return reason
 
 
+# The paths that run on explicitly sharded operands as they are: jattn's dense path (XLA's
+# own ops) and jax's cuDNN attention (its call carries jax's partitioning rule; no GPU here
+# to check it on). The others are refused there (:func:`_sharding_obstacle`).
+PARTITIONED = ("dense", "cudnn")
+
+
+def _sharded_axes(*trees) -> tuple[str, ...]:
+    """The mesh axes of more than one device that an array in ``trees`` is sharded over in
+    its type (explicit sharding; an automatic mesh's sharding is not in the type, and inside
+    ``jax.shard_map`` the arrays are each device's own)."""
+    axes: list[str] = []
+    for x in jax.tree.leaves(trees):
+        if not isinstance(x, jax.Array):
+            continue
+        sharding = jax.typeof(x).sharding
+        for entry in sharding.spec:
+            for name in entry if isinstance(entry, tuple) else (entry,):
+                if name is not None and sharding.mesh.shape[name] > 1 and name not in axes:
+                    axes.append(name)
+    return tuple(axes)
+
+
+def _sharding_obstacle(name: str, query, key, value, ops: Operands) -> str | None:
+    """Why path ``name`` cannot take explicitly sharded operands (None: it can, or they are
+    not). Blockwise's tile loops and the kernels' custom calls run on whole arrays with no
+    partitioning rule: XLA would gather the operands to every device, and the result (and
+    the gradients, which then fail jax's type check) would lose the sharding ``'dense'``
+    keeps."""
+    if name in PARTITIONED:
+        return None
+    axes = _sharded_axes(query, key, value, ops)
+    if not axes:
+        return None
+    what = "tile loops run" if name == "blockwise" else "kernel runs"
+    return (
+        f"the operands are sharded over mesh axes {axes} (explicit sharding, jax.make_mesh's "
+        f"default), and {name}'s {what} on whole arrays with no partitioning rule (XLA would "
+        f"gather them to every device and the result would lose its sharding); call it inside "
+        f"jax.shard_map on each device's shard to use it"
+    )
+
+
+def _unsharded(name: str, obstacle: Callable[..., str | None]) -> Callable[..., str | None]:
+    """``obstacle`` after :func:`_sharding_obstacle`."""
+
+    def check(query, key, value, ops, settings, extras):
+        reason = _sharding_obstacle(name, query, key, value, ops)
+        return reason if reason is not None else obstacle(query, key, value, ops, settings, extras)
+
+    return check
+
+
 def _dense_run(query, key, value, ops, settings, extras):
     return dense.attention(query, key, value, ops, settings, extras)
 
@@ -358,6 +410,9 @@ def _host_gpu_obstacle(platform: str) -> str | None:
 
 def _pallas_obstacle_on(platform: str, query, key, value, ops, settings, extras) -> str | None:
     """Why jattn's Pallas kernel cannot honour the call lowered for ``platform``."""
+    sharded = _sharding_obstacle("pallas", query, key, value, ops)
+    if sharded is not None:
+        return sharded
     module = kernels.adapter("pallas")
     gpu = _host_gpu_obstacle(platform)
     if gpu is not None and not _pallas_interpret(platform):
@@ -472,14 +527,17 @@ def _per_platform(choices: dict[str, tuple], call):
 
 ROUTES: dict[str, Route] = {
     "dense": Route(lambda *args: None, _dense_run),
-    "blockwise": Route(_blockwise_obstacle, _blockwise_run),
+    "blockwise": Route(_unsharded("blockwise", _blockwise_obstacle), _blockwise_run),
     # The adapters of jax's kernels: modifiers refused here; the others judge their own.
     **{
-        name: Route(_kernel_obstacle(name), _kernel_run(name))
+        name: Route(_unsharded(name, _kernel_obstacle(name)), _kernel_run(name))
         for name in kernels.KERNELS
         if name not in (*CONTRACT_KERNELS, "pallas")
     },
-    **{name: Route(_contract_obstacle(name), _contract_run(name)) for name in CONTRACT_KERNELS},
+    **{
+        name: Route(_unsharded(name, _contract_obstacle(name)), _contract_run(name))
+        for name in CONTRACT_KERNELS
+    },
     "pallas": Route(_pallas_obstacle, _pallas_run),
 }
 ALIASES = _util.ALIASES  # jax.nn's names

@@ -11,10 +11,13 @@ conformance (forward, gradients, every option) is tests/test_kernels.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _fake_devices import run_checks
 from flax import nnx
 
 import jattn
@@ -557,3 +560,64 @@ def test_lowering_platforms():
         assert _routing.lowering_platform("gpu") == "cuda"
     else:
         assert _routing.lowering_platform("gpu") in ("cuda", "rocm")
+
+
+# ----------------------------------------------------------------------------------------
+# Explicitly sharded operands (2 fake devices, in a process of their own)
+# ----------------------------------------------------------------------------------------
+
+EXPLICIT_CHECKS = Path(__file__).with_name("_explicit_routing_checks.py")
+SHARDED_SPECS = {"batch": ["b", None, None, None], "heads": [None, None, "b", None]}
+
+
+@pytest.fixture(scope="module")
+def explicit() -> dict:
+    """tests/_explicit_routing_checks.py: causal, segment-masked GQA attention at T = 256
+    on a ('b',) mesh of explicit axes, against a float64 numpy reference."""
+    return run_checks(EXPLICIT_CHECKS)
+
+
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+def test_explicitly_sharded_operands_take_dense_and_keep_their_sharding(explicit, sharded):
+    """The kernel would run on gathered arrays and its replicated gradients failed jax's
+    type check; blockwise's tile loops failed on the sharded types. Dense keeps the specs."""
+    assert explicit["axis_types"] == ["AxisType.Explicit"]
+    got = explicit[sharded]["auto"]
+    assert got["routes"] == ["dense"]
+    assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
+    assert got["spec"] == got["grad_spec"] == SHARDED_SPECS[sharded]
+
+
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+@pytest.mark.parametrize("implementation", ["cpu_fused", "blockwise"])
+def test_paths_without_a_partitioning_rule_refuse_explicitly_sharded_operands(
+    explicit, sharded, implementation
+):
+    message = explicit[sharded]["refused"][implementation]
+    assert message.startswith(f"implementation={implementation!r} cannot be used here")
+    assert "sharded over mesh axes ('b',)" in message and "jax.shard_map" in message
+    assert "'dense'" in message
+
+
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+def test_an_automatic_mesh_still_takes_the_kernel(explicit, sharded):
+    """No sharding in the types: the rule cannot see it, and the kernel's answer is right."""
+    got = explicit[sharded]["auto_mesh"]
+    assert got["routes"] == (["cpu_fused"] if explicit["built"] else ["blockwise"])
+    assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
+
+
+def test_the_kernel_runs_inside_shard_map_on_an_explicit_mesh(explicit):
+    if not explicit["built"]:
+        pytest.skip("the fused CPU kernel is not built")
+    got = explicit["shard_map"]
+    assert got["routes"] == ["cpu_fused"]
+    assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
+    assert got["spec"] == got["grad_spec"] == SHARDED_SPECS["batch"]
+
+
+def test_tensor_parallel_module_gradient_on_an_explicit_mesh(explicit):
+    """The NNX module, heads over 'b' (model_axis), T = 256: its jitted gradient equals the
+    unsharded module's (it failed jax's type check through the kernel)."""
+    assert explicit["module"]["routes"] == ["dense"]
+    assert explicit["module"]["err"] < 1e-5, explicit["module"]

@@ -1,0 +1,156 @@
+"""The automatic rule on explicitly sharded operands (jax.make_mesh's default axes).
+
+Run by tests/test_routing.py as ``python _explicit_routing_checks.py`` (2 fake CPU devices,
+a ``('b',)`` mesh); prints one JSON object. The float64 numpy reference is computed on the
+whole arrays; every sharded result is compared with it and reports its spec.
+"""
+
+from __future__ import annotations
+
+import json
+
+from _fake_devices import force_cpu_devices
+
+force_cpu_devices(2)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference import np_attention
+
+import jattn
+from jattn import _routing
+from jattn import nnx as jn
+from jattn.kernels.cpu import _library
+
+B, T, H, K, D = 4, 256, 4, 2, 16  # T: past the fused CPU kernel's and blockwise's lengths
+SPECS = {"batch": P("b"), "heads": P(None, None, "b")}
+BUILT = _library.library() is not None  # else the automatic rule has no kernel to take
+CHOSEN: list[str] = []  # the routes taken, read by a spy on _routing.choose
+
+
+def _spy(*call):
+    CHOSEN.append(_REAL_CHOOSE(*call))
+    return CHOSEN[-1]
+
+
+_REAL_CHOOSE, _routing.choose = _routing.choose, _spy
+
+
+def operands():
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, T, K, D)).astype(np.float32) for _ in "kv")
+    segments = np.repeat(np.arange(4), T // 4)[None].repeat(B, 0).astype(np.int32)
+    return q, k, v, segments
+
+
+def reference(q, k, v, segments):
+    """float64 ``(out, d loss / d q)`` of the causal, segment-masked call, loss = sum(out^2):
+    the gradient through the weights' Jacobian, row by row."""
+    mask = np.tril(np.ones((T, T), bool)) & (segments[:, :, None] == segments[:, None, :])
+    mask = mask[:, None]  # [B, 1, T, T]
+    out, w = np_attention(q, k, v, mask=mask, return_weights=True)
+    d_out = 2 * out
+    v_full = np.repeat(np.asarray(v, np.float64), H // K, axis=-2)
+    d_w = np.einsum("bthd,bshd->bhts", d_out, v_full)
+    d_logits = w * (d_w - (d_w * w).sum(-1, keepdims=True))
+    k_full = np.repeat(np.asarray(k, np.float64), H // K, axis=-2)
+    return out, np.einsum("bhts,bshd->bthd", d_logits, k_full) / np.sqrt(D)
+
+
+def attend(implementation):
+    def f(q, k, v, segments):
+        return jattn.dot_product_attention(
+            q, k, v, is_causal=True, query_segment_ids=segments,
+            key_value_segment_ids=segments, implementation=implementation,
+        )  # fmt: skip
+
+    return f
+
+
+def summary(out, dq, want) -> dict:
+    """Errors against the reference, the result's and gradient's specs, and the routes the
+    calls took since the last summary."""
+    routes = sorted(set(CHOSEN))
+    CHOSEN.clear()
+    return {
+        "routes": routes,
+        "err": float(np.max(np.abs(np.asarray(out, np.float64) - want[0]))),
+        "grad_err": float(np.max(np.abs(np.asarray(dq, np.float64) - want[1]))),
+        "spec": [None if s is None else str(s) for s in out.sharding.spec],
+        "grad_spec": [None if s is None else str(s) for s in dq.sharding.spec],
+    }
+
+
+def run(f, mesh, spec, arrays):
+    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays[:3]]
+    segments = jax.device_put(arrays[3], NamedSharding(mesh, P(*spec[:2])))
+    loss = jax.jit(jax.grad(lambda q, *rest: jnp.sum(f(q, *rest) ** 2)))
+    with jax.set_mesh(mesh):
+        return jax.jit(f)(*sharded, segments), loss(*sharded, segments)
+
+
+def refused(mesh, spec, arrays, implementation) -> str:
+    try:
+        run(attend(implementation), mesh, spec, arrays)
+    except ValueError as e:
+        return str(e)
+    finally:
+        CHOSEN.clear()
+    return ""
+
+
+def in_shard_map(mesh, arrays, want) -> dict:
+    """The fused kernel by name inside ``jax.shard_map`` over the batch: each device's own
+    rows, no obstacle."""
+    f = jax.shard_map(attend("cpu_fused"), mesh=mesh, in_specs=P("b"), out_specs=P("b"))
+    out, dq = run(f, mesh, P("b"), arrays)
+    return summary(out, dq, want)
+
+
+def module_grad(mesh) -> dict:
+    """The NNX module with model_axis (heads over 'b') at T past the kernels' lengths:
+    a jitted gradient equals the unsharded module's."""
+    x = jax.random.normal(jax.random.key(1), (2, T, 8))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    plain = jn.MultiHeadAttention(8, 8, T, 0.0, 2, rngs=nnx.Rngs(0))
+    want = nnx.grad(loss)(plain, x)
+    CHOSEN.clear()
+    with jax.set_mesh(mesh):
+        module = jn.MultiHeadAttention(8, 8, T, 0.0, 2, model_axis="b", rngs=nnx.Rngs(0))
+        got = nnx.jit(nnx.grad(loss))(module, jax.device_put(x, NamedSharding(mesh, P())))
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    return {  # relative to each gradient's largest entry
+        "routes": sorted(set(CHOSEN)),
+        "err": max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs),
+    }
+
+
+def main() -> None:
+    arrays = operands()
+    want = reference(*arrays)
+    mesh = jax.make_mesh((2,), ("b",))
+    auto_mesh = jax.make_mesh((2,), ("b",), axis_types=(AxisType.Auto,))
+    result = {"axis_types": [str(t) for t in mesh.axis_types], "built": BUILT}
+    for name, spec in SPECS.items():
+        result[name] = {
+            "auto": summary(*run(attend(None), mesh, spec, arrays), want),
+            "refused": {i: refused(mesh, spec, arrays, i) for i in ("cpu_fused", "blockwise")},
+            # an automatic mesh: no sharding in the types, the kernel is taken (XLA gathers)
+            "auto_mesh": summary(*run(attend(None), auto_mesh, spec, arrays), want),
+        }
+    if BUILT:
+        result["shard_map"] = in_shard_map(mesh, arrays, want)
+    result["module"] = module_grad(mesh)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
