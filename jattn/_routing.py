@@ -129,10 +129,11 @@ def _kernel_autodiff_obstacle(*arrays) -> str | None:
     return reason
 
 
-# The paths that run on explicitly sharded operands as they are: jattn's dense path (XLA's
-# own ops) and jax's cuDNN attention (its call carries jax's partitioning rule; no GPU here
-# to check it on). The others are refused there (:func:`_sharding_obstacle`).
-PARTITIONED = ("dense", "cudnn")
+# The kernels whose calls carry their own partitioning rule (jax's cuDNN attention; no GPU
+# here to check it on): they take explicitly sharded operands as they are. The others are
+# refused there (:func:`_sharding_obstacle`); blockwise runs there with the mesh's axes
+# made automatic (:func:`_with_auto_axes`), and dense is XLA's own ops.
+PARTITIONED_KERNELS = ("cudnn",)
 
 
 def _sharded_axes(*trees) -> tuple[str, ...]:
@@ -152,22 +153,20 @@ def _sharded_axes(*trees) -> tuple[str, ...]:
 
 
 def _sharding_obstacle(name: str, query, key, value, ops: Operands) -> str | None:
-    """Why path ``name`` cannot take explicitly sharded operands (None: it can, or they are
-    not). Blockwise's tile loops and the kernels' custom calls run on whole arrays with no
-    partitioning rule: XLA would gather the operands to every device, and the result (and
-    the gradients, which then fail jax's type check) would lose the sharding ``'dense'``
-    keeps."""
-    if name in PARTITIONED:
+    """Why kernel ``name`` cannot take explicitly sharded operands (None: it can, or they
+    are not). Its custom call runs on whole arrays with no partitioning rule: XLA would
+    gather the operands to every device and compute the whole call on each, and the
+    gradients would come back replicated, which jax's types refuse."""
+    if name in PARTITIONED_KERNELS:
         return None
     axes = _sharded_axes(query, key, value, ops)
     if not axes:
         return None
-    what = "tile loops run" if name == "blockwise" else "kernel runs"
     return (
         f"the operands are sharded over mesh axes {axes} (explicit sharding, jax.make_mesh's "
-        f"default), and {name}'s {what} on whole arrays with no partitioning rule (XLA would "
-        f"gather them to every device and the result would lose its sharding); call it inside "
-        f"jax.shard_map on each device's shard to use it"
+        f"default), and the {name} kernel runs on whole arrays with no partitioning rule (XLA "
+        f"would gather them to every device); call it inside jax.shard_map on each device's "
+        f"shard to use it"
     )
 
 
@@ -179,6 +178,29 @@ def _unsharded(name: str, obstacle: Callable[..., str | None]) -> Callable[..., 
         return reason if reason is not None else obstacle(query, key, value, ops, settings, extras)
 
     return check
+
+
+def _with_auto_axes(attend, residual: bool, query, key, value, ops: Operands):
+    """``attend(query, key, value, ops) -> (out, lse or None)`` with the mesh's explicit
+    axes made automatic inside (``jax.sharding.auto_axes``): XLA partitions blockwise's
+    loops as it does on an automatic mesh (jax's explicit types refused their carries and
+    head slices), and the results come back typed as the query's leading axes."""
+    leaves, tree = jax.tree.flatten((query, key, value, ops))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    def inner(*arrays):  # the arrays replaced; Python numbers (the scale) stay static
+        full = list(leaves)
+        for i, x in zip(where, arrays, strict=True):
+            full[i] = x
+        return attend(*jax.tree.unflatten(tree, full))
+
+    sharding = jax.typeof(query).sharding
+    lead = (*sharding.spec, *(None,) * (query.ndim - len(sharding.spec)))[:-1]
+    out_sharding = (
+        sharding.update(spec=jax.P(*lead, None)),
+        sharding.update(spec=jax.P(*lead)) if residual else None,
+    )
+    return jax.sharding.auto_axes(inner, out_sharding=out_sharding)(*(leaves[i] for i in where))
 
 
 def _dense_run(query, key, value, ops, settings, extras):
@@ -198,7 +220,14 @@ def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: Dens
 
 
 def _blockwise_run(query, key, value, ops, settings, extras):
-    out, lse = blockwise.attention(query, key, value, ops, settings)
+    if not _sharded_axes(query, key, value, ops):
+        out, lse = blockwise.attention(query, key, value, ops, settings)
+        return out, None, lse
+
+    def attend(q, k, v, o):  # the devices share the work: no split of the heads
+        return blockwise.attention(q, k, v, o, settings, split_heads=False)
+
+    out, lse = _with_auto_axes(attend, settings.return_residual, query, key, value, ops)
     return out, None, lse
 
 
@@ -527,7 +556,7 @@ def _per_platform(choices: dict[str, tuple], call):
 
 ROUTES: dict[str, Route] = {
     "dense": Route(lambda *args: None, _dense_run),
-    "blockwise": Route(_unsharded("blockwise", _blockwise_obstacle), _blockwise_run),
+    "blockwise": Route(_blockwise_obstacle, _blockwise_run),
     # The adapters of jax's kernels: modifiers refused here; the others judge their own.
     **{
         name: Route(_unsharded(name, _kernel_obstacle(name)), _kernel_run(name))

@@ -8,6 +8,7 @@ whole arrays; every sharded result is compared with it and reports its spec.
 from __future__ import annotations
 
 import json
+import re
 
 from _fake_devices import force_cpu_devices
 
@@ -62,14 +63,22 @@ def reference(q, k, v, segments):
     return out, np.einsum("bhts,bshd->bthd", d_logits, k_full) / np.sqrt(D)
 
 
-def attend(implementation):
+def attend(implementation, **options):
     def f(q, k, v, segments):
         return jattn.dot_product_attention(
             q, k, v, is_causal=True, query_segment_ids=segments,
-            key_value_segment_ids=segments, implementation=implementation,
+            key_value_segment_ids=segments, implementation=implementation, **options,
         )  # fmt: skip
 
     return f
+
+
+# Options whose sharded blockwise result must equal the unsharded one: the same dropout
+# mask from the same key, and a per-head modifier seeing the global head index.
+OPTIONS = {
+    "dropout": dict(dropout_rate=0.2, dropout_rng=jax.random.key(3)),
+    "alibi": dict(score_mod=jattn.mods.alibi(jattn.mods.alibi_slopes(H))),
+}
 
 
 def summary(out, dq, want) -> dict:
@@ -92,6 +101,37 @@ def run(f, mesh, spec, arrays):
     loss = jax.jit(jax.grad(lambda q, *rest: jnp.sum(f(q, *rest) ** 2)))
     with jax.set_mesh(mesh):
         return jax.jit(f)(*sharded, segments), loss(*sharded, segments)
+
+
+def collectives(mesh, spec, arrays) -> list[str]:
+    """The element types the compiled forward and gradient of the automatic rule's call
+    move between devices: each device computes its own rows or heads, so only blockwise's
+    tile schedule (bool flags per tile, shared by the batch) may travel."""
+    f = attend(None)
+    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays[:3]]
+    segments = jax.device_put(arrays[3], NamedSharding(mesh, P(*spec[:2])))
+    grad = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))
+    ops = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
+    with jax.set_mesh(mesh):
+        texts = [jax.jit(g).lower(*sharded, segments).compile().as_text() for g in (f, grad)]
+    CHOSEN.clear()
+    moved = []
+    for text in texts:
+        for result in re.findall(rf"= (.*?) (?:{ops})\(", text):
+            moved += re.findall(r"(\w+)\[", result)
+    return sorted(set(moved))
+
+
+def with_options(mesh, spec, arrays) -> dict:
+    """Max |sharded blockwise - unsharded blockwise| per entry of OPTIONS."""
+    errs = {}
+    for name, options in OPTIONS.items():
+        f = attend("blockwise", **options)
+        want = f(*arrays)
+        got = run(f, mesh, spec, arrays)[0]
+        errs[name] = float(jnp.max(jnp.abs(got - want)))
+    CHOSEN.clear()
+    return errs
 
 
 def refused(mesh, spec, arrays, implementation) -> str:
@@ -142,7 +182,10 @@ def main() -> None:
     for name, spec in SPECS.items():
         result[name] = {
             "auto": summary(*run(attend(None), mesh, spec, arrays), want),
-            "refused": {i: refused(mesh, spec, arrays, i) for i in ("cpu_fused", "blockwise")},
+            "blockwise": summary(*run(attend("blockwise"), mesh, spec, arrays), want),
+            "collectives": collectives(mesh, spec, arrays),
+            "options": with_options(mesh, spec, arrays),
+            "refused": refused(mesh, spec, arrays, "cpu_fused"),
             # an automatic mesh: no sharding in the types, the kernel is taken (XLA gathers)
             "auto_mesh": summary(*run(attend(None), auto_mesh, spec, arrays), want),
         }

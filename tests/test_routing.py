@@ -578,25 +578,38 @@ def explicit() -> dict:
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-def test_explicitly_sharded_operands_take_dense_and_keep_their_sharding(explicit, sharded):
-    """The kernel would run on gathered arrays and its replicated gradients failed jax's
-    type check; blockwise's tile loops failed on the sharded types. Dense keeps the specs."""
+@pytest.mark.parametrize("how", ["auto", "blockwise"])
+def test_explicitly_sharded_operands_take_blockwise_and_keep_their_sharding(explicit, sharded, how):
+    """The kernel would run on gathered arrays, and its replicated gradients failed jax's
+    type check; blockwise's tile loops failed on the sharded types. Blockwise now runs with
+    the mesh's axes made automatic inside, and its results keep the operands' specs."""
     assert explicit["axis_types"] == ["AxisType.Explicit"]
-    got = explicit[sharded]["auto"]
-    assert got["routes"] == ["dense"]
+    got = explicit[sharded][how]
+    assert got["routes"] == ["blockwise"]
     assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
     assert got["spec"] == got["grad_spec"] == SHARDED_SPECS[sharded]
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-@pytest.mark.parametrize("implementation", ["cpu_fused", "blockwise"])
-def test_paths_without_a_partitioning_rule_refuse_explicitly_sharded_operands(
-    explicit, sharded, implementation
-):
-    message = explicit[sharded]["refused"][implementation]
-    assert message.startswith(f"implementation={implementation!r} cannot be used here")
+def test_each_device_computes_its_own_rows_or_heads(explicit, sharded):
+    """Forward and gradient move only the tile schedule between devices (bool flags; with
+    the heads sharded not even that): no split of the heads across the sharded axis."""
+    assert set(explicit[sharded]["collectives"]) <= {"pred"}
+
+
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+@pytest.mark.parametrize("option", ["dropout", "alibi"])
+def test_sharded_blockwise_equals_unsharded_with_options(explicit, sharded, option):
+    """The same dropout mask from the same key, and ALiBi's slopes by the global head."""
+    assert explicit[sharded]["options"][option] < 1e-6
+
+
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+def test_the_kernel_refuses_explicitly_sharded_operands(explicit, sharded):
+    message = explicit[sharded]["refused"]
+    assert message.startswith("implementation='cpu_fused' cannot be used here")
     assert "sharded over mesh axes ('b',)" in message and "jax.shard_map" in message
-    assert "'dense'" in message
+    assert "'blockwise' or 'dense'" in message
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
@@ -619,5 +632,5 @@ def test_the_kernel_runs_inside_shard_map_on_an_explicit_mesh(explicit):
 def test_tensor_parallel_module_gradient_on_an_explicit_mesh(explicit):
     """The NNX module, heads over 'b' (model_axis), T = 256: its jitted gradient equals the
     unsharded module's (it failed jax's type check through the kernel)."""
-    assert explicit["module"]["routes"] == ["dense"]
+    assert explicit["module"]["routes"] == ["blockwise"]
     assert explicit["module"]["err"] < 1e-5, explicit["module"]

@@ -32,8 +32,13 @@ __all__ = ["attention", "head_splits", "tile_flags", "tile_layout"]
 Array = jax.Array
 
 
-def attention(query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None):
-    """Blockwise attention of a validated call (see :mod:`jattn._call`).
+def attention(
+    query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None,
+    split_heads: bool = True,
+):  # fmt: skip
+    """Blockwise attention of a validated call (see :mod:`jattn._call`). ``split_heads``
+    False: one computation over all heads, never :func:`head_splits`' (operands sharded
+    over devices, which share the work, and whose head axis a split would slice across).
 
     Returns:
       ``(out, lse)``: out ``[batch..., q_len, H, Dv]`` in the inputs' dtype; with
@@ -44,7 +49,8 @@ def attention(query, key, value, ops: Operands, settings: Settings, *, block_q=N
     dv = value.shape[-1]
     cfg, q, k, v, aux, mops = _prepare(query, key, value, ops, settings, block_q, block_k)
     try:
-        out, lse = _by_head_splits(cfg, q, k, v, aux, mops)
+        splits = head_splits(cfg) if split_heads else 1
+        out, lse = _by_head_splits(cfg, q, k, v, aux, mops, splits)
     except TypeError as e:
         if "forward-mode" not in str(e):
             raise
@@ -179,9 +185,8 @@ def _modifiers(cfg: Config, aux: Aux, ops: Operands, settings: Settings, peeled,
     return dataclasses.replace(cfg, mods=spec), aux, mops
 
 
-def _by_head_splits(cfg: Config, q, k, v, aux: Aux, mops: ModOperands):
-    """:func:`core` over splits of the key/value heads (:func:`head_splits`), joined."""
-    splits = head_splits(cfg)
+def _by_head_splits(cfg: Config, q, k, v, aux: Aux, mops: ModOperands, splits: int):
+    """:func:`core` over ``splits`` splits of the key/value heads, joined."""
     if splits == 1:
         return core(cfg, q, k, v, aux, mops)
     width = cfg.kv_heads // splits
