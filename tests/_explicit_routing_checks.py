@@ -117,7 +117,7 @@ def collectives(mesh, spec, arrays) -> list[str]:
     CHOSEN.clear()
     moved = []
     for text in texts:
-        for result in re.findall(rf"= (.*?) (?:{ops})\(", text):
+        for result in re.findall(rf"= (.*?) (?:{ops})(?:-start)?\(", text):
             moved += re.findall(r"(\w+)\[", result)
     return sorted(set(moved))
 
