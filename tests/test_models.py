@@ -7,6 +7,9 @@ llms-from-scratch are installed (``@pytest.mark.torch``).
 Only the tests that need torch / llms-from-scratch skip (when those are absent).
 """
 
+import functools
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,7 @@ from _book_models_reference import (
     qwen3_forward,
     random_state_dict,
 )
+from _fake_devices import run_checks
 from flax import nnx
 
 from jattn import models
@@ -819,3 +823,20 @@ def test_concrete_arrays_closed_over_in_a_jitted_function_are_read_and_checked(n
     ):
         with pytest.raises(ValueError, match=match):
             nnx.jit(lambda m, kwargs=kwargs: m(**kwargs))(model)
+
+
+@pytest.mark.parametrize("name", ["GPTModel", "Llama3Model", "Qwen3Model"])
+def test_models_train_on_batch_sharded_tokens_on_an_explicit_mesh(name):
+    """jax.make_mesh's explicit axes, token ids sharded over the batch (2 fake devices, in
+    a process of their own: tests/_explicit_mesh_checks.py): the embedding states its rows'
+    sharding (flax's gather raised without it) and the attention takes blockwise, so the
+    jitted forward and gradient equal the unsharded model's and the logits stay sharded."""
+    got = _explicit_models()[name]
+    assert got["routes"] == ["blockwise"]
+    assert got["err"] < 1e-5 and got["grad_err"] < 1e-5, got
+    assert got["spec"] == ["b", None, None]
+
+
+@functools.cache
+def _explicit_models() -> dict:
+    return run_checks(Path(__file__).with_name("_explicit_mesh_checks.py"), "models")

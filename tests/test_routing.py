@@ -566,15 +566,15 @@ def test_lowering_platforms():
 # Explicitly sharded operands (2 fake devices, in a process of their own)
 # ----------------------------------------------------------------------------------------
 
-EXPLICIT_CHECKS = Path(__file__).with_name("_explicit_routing_checks.py")
+EXPLICIT_CHECKS = Path(__file__).with_name("_explicit_mesh_checks.py")
 SHARDED_SPECS = {"batch": ["b", None, None, None], "heads": [None, None, "b", None]}
 
 
 @pytest.fixture(scope="module")
 def explicit() -> dict:
-    """tests/_explicit_routing_checks.py: causal, segment-masked GQA attention at T = 256
+    """tests/_explicit_mesh_checks.py: causal, segment-masked GQA attention at T = 256
     on a ('b',) mesh of explicit axes, against a float64 numpy reference."""
-    return run_checks(EXPLICIT_CHECKS)
+    return run_checks(EXPLICIT_CHECKS, "attention")
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))

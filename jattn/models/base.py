@@ -77,6 +77,17 @@ class LanguageModel(nnx.Module):
         ``rngs=`` at a training call, as the attention modules do (no stream to keep)."""
         return rngs if "dropout" in rngs or "default" in rngs else None
 
+    @staticmethod
+    def embed(table: nnx.Embed, ids: Array) -> Array:
+        """``table(ids)``: the rows of ``ids`` ``[batch..., T]``. On a mesh with explicit
+        axes, ids sharded in their type (the batch over devices) state the rows' sharding
+        (theirs, the features whole), which flax's gather cannot resolve alone."""
+        sharding = jax.typeof(ids).sharding
+        if all(entry is None for entry in sharding.spec):
+            return table(ids)
+        spec = (*sharding.spec, *(None,) * (ids.ndim - len(sharding.spec)), None)
+        return table(ids, out_sharding=sharding.update(spec=jax.P(*spec)))
+
     def check_token_ids(self, token_ids) -> Array:
         """Validates ``token_ids`` int ``[batch..., T]`` and returns them as an array.
 

@@ -189,7 +189,7 @@ class RopeDecoder(LanguageModel):
         if decode:
             self.cache_lengths()  # a clear error when there is no cache
         # [batch..., T, emb_dim]
-        x = _checks.with_factor(self.tok_emb(token_ids), factor)
+        x = _checks.with_factor(self.embed(self.tok_emb, token_ids), factor)
         for block in self.trf_blocks:
             x = block(
                 x, decode=decode, num_new=num_new, segment_ids=segment_ids, positions=positions

@@ -185,7 +185,9 @@ class GPTModel(LanguageModel):
         if decode:
             positions = self.decode_positions(token_ids.shape[-1])  # [batch..., T]
         # [batch..., T, emb_dim]
-        x = _checks.with_factor(self.tok_emb(token_ids) + self.pos_emb(positions), factor)
+        x = _checks.with_factor(
+            self.embed(self.tok_emb, token_ids) + self.embed(self.pos_emb, positions), factor
+        )
         x = self.drop_emb(x, deterministic=deterministic, rngs=rngs)
         for block in self.trf_blocks:
             x = block(

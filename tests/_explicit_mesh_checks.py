@@ -1,14 +1,16 @@
-"""The automatic rule on explicitly sharded operands (jax.make_mesh's default axes).
+"""Attention and the models on explicitly sharded operands (jax.make_mesh's default axes).
 
-Run by tests/test_routing.py as ``python _explicit_routing_checks.py`` (2 fake CPU devices,
-a ``('b',)`` mesh); prints one JSON object. The float64 numpy reference is computed on the
-whole arrays; every sharded result is compared with it and reports its spec.
+Run as ``python _explicit_mesh_checks.py SECTION`` (2 fake CPU devices, a ``('b',)`` mesh)
+by tests/test_routing.py (``attention``: the automatic rule, against a float64 numpy
+reference computed on the whole arrays) and tests/test_models.py (``models``: the three
+models' forward and gradient against the unsharded model); prints one JSON object.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 
 from _fake_devices import force_cpu_devices
 
@@ -23,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from reference import np_attention
 
 import jattn
-from jattn import _routing
+from jattn import _routing, models
 from jattn import nnx as jn
 from jattn.kernels.cpu import _library
 
@@ -173,10 +175,44 @@ def module_grad(mesh) -> dict:
     }
 
 
-def main() -> None:
+def models_check(mesh) -> dict:
+    """Each model (GPT-2, Llama 3, Qwen3; one layer, T = 256) on batch-sharded token ids:
+    its jitted forward and gradient against the unsharded model's (relative), the
+    logits' spec and the attention's route."""
+    small = dict(vocab_size=64, context_length=T, emb_dim=32, n_heads=2, n_layers=1)
+    rope = dict(hidden_dim=64, n_kv_groups=1, rope_base=10_000.0, dtype=jnp.float32)
+    cfgs = {
+        "GPTModel": dict(small, drop_rate=0.0, qkv_bias=False),
+        "Llama3Model": dict(small, **rope, rope_freq=None),
+        "Qwen3Model": dict(small, **rope, head_dim=16, qk_norm=True),
+    }
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, size=(B, T)), jnp.int32)
+
+    def loss(m, t):
+        return jnp.mean(m(t) ** 2)
+
+    result = {}
+    for name, cfg in cfgs.items():
+        model = getattr(models, name)(cfg, rngs=nnx.Rngs(0))
+        want, grad_want = model(tokens), nnx.grad(loss)(model, tokens)
+        CHOSEN.clear()
+        with jax.set_mesh(mesh):
+            sharded = jax.device_put(tokens, NamedSharding(mesh, P("b")))
+            out = nnx.jit(lambda m, t: m(t))(model, sharded)
+            grad = nnx.jit(nnx.grad(loss))(model, sharded)
+        pairs = zip(jax.tree.leaves(grad), jax.tree.leaves(grad_want), strict=True)
+        result[name] = {
+            "routes": sorted(set(CHOSEN)),
+            "err": float(jnp.max(jnp.abs(out - want)) / jnp.max(jnp.abs(want))),
+            "grad_err": max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs),
+            "spec": [None if s is None else str(s) for s in out.sharding.spec],
+        }
+    return result
+
+
+def attention_check(mesh) -> dict:
     arrays = operands()
     want = reference(*arrays)
-    mesh = jax.make_mesh((2,), ("b",))
     auto_mesh = jax.make_mesh((2,), ("b",), axis_types=(AxisType.Auto,))
     result = {"axis_types": [str(t) for t in mesh.axis_types], "built": BUILT}
     for name, spec in SPECS.items():
@@ -192,7 +228,13 @@ def main() -> None:
     if BUILT:
         result["shard_map"] = in_shard_map(mesh, arrays, want)
     result["module"] = module_grad(mesh)
-    print(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    mesh = jax.make_mesh((2,), ("b",))
+    check = {"attention": attention_check, "models": models_check}[sys.argv[1]]
+    print(json.dumps(check(mesh)))
 
 
 if __name__ == "__main__":
