@@ -131,25 +131,9 @@ def _kernel_autodiff_obstacle(*arrays) -> str | None:
 
 # The kernels whose calls carry their own partitioning rule (jax's cuDNN attention; no GPU
 # here to check it on): they take explicitly sharded operands as they are. The others are
-# refused there (:func:`_sharding_obstacle`); blockwise runs there with the mesh's axes
-# made automatic (:func:`_with_auto_axes`), and dense is XLA's own ops.
+# refused there (:func:`_sharding_obstacle`); blockwise takes them (its loops run with the
+# mesh's axes made automatic), and dense is XLA's own ops.
 PARTITIONED_KERNELS = ("cudnn",)
-
-
-def _sharded_axes(*trees) -> tuple[str, ...]:
-    """The mesh axes of more than one device that an array in ``trees`` is sharded over in
-    its type (explicit sharding; an automatic mesh's sharding is not in the type, and inside
-    ``jax.shard_map`` the arrays are each device's own)."""
-    axes: list[str] = []
-    for x in jax.tree.leaves(trees):
-        if not isinstance(x, jax.Array):
-            continue
-        sharding = jax.typeof(x).sharding
-        for entry in sharding.spec:
-            for name in entry if isinstance(entry, tuple) else (entry,):
-                if name is not None and sharding.mesh.shape[name] > 1 and name not in axes:
-                    axes.append(name)
-    return tuple(axes)
 
 
 def _sharding_obstacle(name: str, query, key, value, ops: Operands) -> str | None:
@@ -159,7 +143,7 @@ def _sharding_obstacle(name: str, query, key, value, ops: Operands) -> str | Non
     gradients would come back replicated, which jax's types refuse."""
     if name in PARTITIONED_KERNELS:
         return None
-    axes = _sharded_axes(query, key, value, ops)
+    axes = _util.sharded_axes(query, key, value, ops)
     if not axes:
         return None
     return (
@@ -180,29 +164,6 @@ def _unsharded(name: str, obstacle: Callable[..., str | None]) -> Callable[..., 
     return check
 
 
-def _with_auto_axes(attend, residual: bool, query, key, value, ops: Operands):
-    """``attend(query, key, value, ops) -> (out, lse or None)`` with the mesh's explicit
-    axes made automatic inside (``jax.sharding.auto_axes``): XLA partitions blockwise's
-    loops as it does on an automatic mesh (jax's explicit types refused their carries and
-    head slices), and the results come back typed as the query's leading axes."""
-    leaves, tree = jax.tree.flatten((query, key, value, ops))
-    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-
-    def inner(*arrays):  # the arrays replaced; Python numbers (the scale) stay static
-        full = list(leaves)
-        for i, x in zip(where, arrays, strict=True):
-            full[i] = x
-        return attend(*jax.tree.unflatten(tree, full))
-
-    sharding = jax.typeof(query).sharding
-    lead = (*sharding.spec, *(None,) * (query.ndim - len(sharding.spec)))[:-1]
-    out_sharding = (
-        sharding.update(spec=jax.P(*lead, None)),
-        sharding.update(spec=jax.P(*lead)) if residual else None,
-    )
-    return jax.sharding.auto_axes(inner, out_sharding=out_sharding)(*(leaves[i] for i in where))
-
-
 def _dense_run(query, key, value, ops, settings, extras):
     return dense.attention(query, key, value, ops, settings, extras)
 
@@ -220,14 +181,7 @@ def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: Dens
 
 
 def _blockwise_run(query, key, value, ops, settings, extras):
-    if not _sharded_axes(query, key, value, ops):
-        out, lse = blockwise.attention(query, key, value, ops, settings)
-        return out, None, lse
-
-    def attend(q, k, v, o):  # the devices share the work: no split of the heads
-        return blockwise.attention(q, k, v, o, settings, split_heads=False)
-
-    out, lse = _with_auto_axes(attend, settings.return_residual, query, key, value, ops)
+    out, lse = blockwise.attention(query, key, value, ops, settings)
     return out, None, lse
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "Implementation",
     "expand_rank",
     "round_up",
+    "sharded_axes",
     "softmax_dtype",
     "tile_cap",
 ]
@@ -54,3 +55,19 @@ def tile_cap(length: int, block: int) -> int:
 def expand_rank(x: Array, ndim: int) -> Array:
     """Leading singleton axes up to rank ``ndim`` (explicit, for rank promotion 'raise')."""
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+
+def sharded_axes(*trees) -> tuple[str, ...]:
+    """The mesh axes of more than one device that an array in ``trees`` is sharded over in
+    its type (explicit sharding; an automatic mesh's sharding is not in the type, and inside
+    ``jax.shard_map`` the arrays are each device's own)."""
+    axes: list[str] = []
+    for x in jax.tree.leaves(trees):
+        if not isinstance(x, jax.Array):
+            continue
+        sharding = jax.typeof(x).sharding
+        for entry in sharding.spec:
+            for name in entry if isinstance(entry, tuple) else (entry,):
+                if name is not None and sharding.mesh.shape[name] > 1 and name not in axes:
+                    axes.append(name)
+    return tuple(axes)

@@ -83,6 +83,17 @@ OPTIONS = {
 }
 
 
+def spec_of(x) -> list:
+    """``x``'s partition spec, names as strings."""
+    return [None if s is None else str(s) for s in x.sharding.spec]
+
+
+def placed(mesh, spec, arrays) -> list:
+    """q, k, v sharded by ``spec``; the segment ids by its batch and length entries."""
+    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays[:3]]
+    return [*sharded, jax.device_put(arrays[3], NamedSharding(mesh, P(*spec[:2])))]
+
+
 def summary(out, dq, want) -> dict:
     """Errors against the reference, the result's and gradient's specs, and the routes the
     calls took since the last summary."""
@@ -92,17 +103,16 @@ def summary(out, dq, want) -> dict:
         "routes": routes,
         "err": float(np.max(np.abs(np.asarray(out, np.float64) - want[0]))),
         "grad_err": float(np.max(np.abs(np.asarray(dq, np.float64) - want[1]))),
-        "spec": [None if s is None else str(s) for s in out.sharding.spec],
-        "grad_spec": [None if s is None else str(s) for s in dq.sharding.spec],
+        "spec": spec_of(out),
+        "grad_spec": spec_of(dq),
     }
 
 
 def run(f, mesh, spec, arrays):
-    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays[:3]]
-    segments = jax.device_put(arrays[3], NamedSharding(mesh, P(*spec[:2])))
+    args = placed(mesh, spec, arrays)
     loss = jax.jit(jax.grad(lambda q, *rest: jnp.sum(f(q, *rest) ** 2)))
     with jax.set_mesh(mesh):
-        return jax.jit(f)(*sharded, segments), loss(*sharded, segments)
+        return jax.jit(f)(*args), loss(*args)
 
 
 def collectives(mesh, spec, arrays) -> list[str]:
@@ -110,12 +120,11 @@ def collectives(mesh, spec, arrays) -> list[str]:
     move between devices: each device computes its own rows or heads, so only blockwise's
     tile schedule (bool flags per tile, shared by the batch) may travel."""
     f = attend(None)
-    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays[:3]]
-    segments = jax.device_put(arrays[3], NamedSharding(mesh, P(*spec[:2])))
+    args = placed(mesh, spec, arrays)
     grad = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))
     ops = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
     with jax.set_mesh(mesh):
-        texts = [jax.jit(g).lower(*sharded, segments).compile().as_text() for g in (f, grad)]
+        texts = [jax.jit(g).lower(*args).compile().as_text() for g in (f, grad)]
     CHOSEN.clear()
     moved = []
     for text in texts:
@@ -205,7 +214,7 @@ def models_check(mesh) -> dict:
             "routes": sorted(set(CHOSEN)),
             "err": float(jnp.max(jnp.abs(out - want)) / jnp.max(jnp.abs(want))),
             "grad_err": max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs),
-            "spec": [None if s is None else str(s) for s in out.sharding.spec],
+            "spec": spec_of(out),
         }
     return result
 

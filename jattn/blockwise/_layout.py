@@ -21,7 +21,7 @@ from jax import lax
 
 from jattn import _prng
 from jattn._call import Operands, Settings
-from jattn._util import expand_rank, softmax_dtype
+from jattn._util import expand_rank, sharded_axes, softmax_dtype
 from jattn.blockwise._config import Aux, Config, ModOperands, ModSpec, make_config
 from jattn.blockwise._mods import hoist_modifier, peel_band
 from jattn.blockwise._passes import core
@@ -32,19 +32,54 @@ __all__ = ["attention", "head_splits", "tile_flags", "tile_layout"]
 Array = jax.Array
 
 
-def attention(
-    query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None,
-    split_heads: bool = True,
-):  # fmt: skip
-    """Blockwise attention of a validated call (see :mod:`jattn._call`). ``split_heads``
-    False: one computation over all heads, never :func:`head_splits`' (operands sharded
-    over devices, which share the work, and whose head axis a split would slice across).
+def attention(query, key, value, ops: Operands, settings: Settings, *, block_q=None, block_k=None):
+    """Blockwise attention of a validated call (see :mod:`jattn._call`).
+
+    On operands sharded in their types (a mesh's explicit axes) the loops run with those
+    axes made automatic (:func:`_on_auto_axes`) and over all heads at once (no
+    :func:`head_splits`: the devices share the work, and a split would slice the sharded
+    head axis across them), so each device computes its own rows or heads.
 
     Returns:
       ``(out, lse)``: out ``[batch..., q_len, H, Dv]`` in the inputs' dtype; with
       ``settings.return_residual`` the log-sum-exp ``[batch..., q_len, H]`` (float32+,
       :func:`jattn.large_negative` for rows that see no key, differentiable), else None.
     """
+    if not sharded_axes(query, key, value, ops):
+        return _attention(query, key, value, ops, settings, block_q, block_k, split_heads=True)
+
+    def attend(q, k, v, o):
+        return _attention(q, k, v, o, settings, block_q, block_k, split_heads=False)
+
+    return _on_auto_axes(attend, settings.return_residual, query, key, value, ops)
+
+
+def _on_auto_axes(attend, residual: bool, query, key, value, ops: Operands):
+    """``attend(query, key, value, ops) -> (out, lse or None)`` with the mesh's explicit
+    axes made automatic inside (``jax.sharding.auto_axes``): XLA partitions the loops as it
+    does on an automatic mesh (jax's explicit types refused their carries and head slices),
+    and the results come back typed as the query's leading axes."""
+    leaves, tree = jax.tree.flatten((query, key, value, ops))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    def inner(*arrays):  # the arrays replaced; Python numbers (the scale) stay static
+        full = list(leaves)
+        for i, x in zip(where, arrays, strict=True):
+            full[i] = x
+        return attend(*jax.tree.unflatten(tree, full))
+
+    sharding = jax.typeof(query).sharding
+    lead = (*sharding.spec, *(None,) * (query.ndim - len(sharding.spec)))[:-1]
+    out_sharding = (
+        sharding.update(spec=jax.P(*lead, None)),
+        sharding.update(spec=jax.P(*lead)) if residual else None,
+    )
+    return jax.sharding.auto_axes(inner, out_sharding=out_sharding)(*(leaves[i] for i in where))
+
+
+def _attention(query, key, value, ops, settings, block_q, block_k, *, split_heads: bool):
+    """:func:`attention`'s computation; ``split_heads``: over :func:`head_splits`' splits
+    of the heads, else all at once."""
     *batch, q_len, num_heads, _ = query.shape
     dv = value.shape[-1]
     cfg, q, k, v, aux, mops = _prepare(query, key, value, ops, settings, block_q, block_k)

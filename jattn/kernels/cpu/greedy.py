@@ -5,9 +5,9 @@ reduction over (value, index) pairs, and even as two plain reductions (the large
 then the first index holding it) it takes about a fifth of a small model's decoding step
 on ``[16, 8192]`` logits. On CPU with jattn's kernel built, :func:`argmax` is one
 ``jax.ffi.ffi_call`` (``jattn_cpu_argmax``) that reads each row once, in the widest
-vectors the CPU has (those of the attention kernels' instruction set); elsewhere (another platform's lowering, or no kernel) it is the two reductions. Both give
-``jnp.argmax``'s answer: the first NaN of a row that holds one, else its first largest
-value.
+vectors the CPU has (those of the attention kernels' instruction set); elsewhere (another
+platform's lowering, or no kernel) it is the two reductions. Both give ``jnp.argmax``'s
+answer: the first NaN of a row that holds one, else its first largest value.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@
 //   takes about 25x as long on decoding's [16, 8192] logits (bench_serving.py's greedy
 //   pick row).
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
