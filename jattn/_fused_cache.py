@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _util
 from jattn.kernels import cpu as cpu_kernels
 
 Array = jax.Array
@@ -43,13 +44,17 @@ def plain(kwargs: dict) -> bool:
     return dropout_off and all(v is None or v is False for v in rest)
 
 
-def takes(pool_dtypes, query, kwargs: dict) -> bool:
+def takes(pools, query, kwargs: dict) -> bool:
     """Whether the fused kernel computes a cache's call: on a CPU host with the kernel
     built, a :func:`plain` call with ``implementation`` None or ``'cpu_fused'``, a Python
     ``scale``, no ``precision``, float32, bfloat16 or float16 (or int8) keys and values
-    (``pool_dtypes``), queries and ``dtype``, and chunks of up to :data:`MAX_QUERIES`
-    tokens. ``query`` None: the cache alone."""
+    (``pools``: the cache's key and value arrays), queries and ``dtype``, chunks of up to
+    :data:`MAX_QUERIES` tokens, and none of them sharded in its type over a mesh (the
+    kernel has no partitioning rule: the general path keeps each device's rows). ``query``
+    None: the cache alone."""
     if not plain(kwargs) or kwargs.get("implementation") not in (None, "cpu_fused"):
+        return False
+    if _util.sharded_axes(query, pools):
         return False
     if query is not None and jnp.ndim(query) >= 3 and jnp.shape(query)[-3] > MAX_QUERIES:
         return False
@@ -59,7 +64,7 @@ def takes(pool_dtypes, query, kwargs: dict) -> bool:
     )
     if kwargs.get("precision") is not None or not static_scale:
         return False
-    dtypes = [d for d in pool_dtypes if d != jnp.int8]
+    dtypes = [x.dtype for x in pools if x.dtype != jnp.int8]
     dtypes += [] if query is None else [jnp.asarray(query).dtype]
     dtypes += [] if kwargs.get("dtype") is None else [kwargs["dtype"]]
     if any(jnp.dtype(d).name not in _DTYPES for d in dtypes):

@@ -191,7 +191,17 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
                 raise ValueError(
                     f"prompt_lengths must be in [1, {prompt_len}] (prompt_len), got {n.tolist()}."
                 )
+    rows = _rows_of(prompt)
+    if rows.spec[0] is not None:  # rows sharded in their type: the lengths go with them
+        lengths = jax.sharding.reshard(lengths, rows)
     return prompt.astype(jnp.int32), lengths
+
+
+def _rows_of(prompt: Array):
+    """The sharding of an array of ``prompt``'s rows: its batch axis's on a mesh whose axes
+    are explicit (in the types), none otherwise."""
+    sharding = jax.typeof(prompt).sharding
+    return sharding.update(spec=jax.P(sharding.spec[0] if sharding.spec else None))
 
 
 def _check_cache_room(cache, lengths: Array, max_new_tokens: int) -> None:
@@ -325,7 +335,8 @@ def _generate(
     sampling = dict(temperature=temperature, top_k=top_k)
     first, cache = _prefill(decode_fn, params, cache, prompt, lengths, key, **sampling)
     # [B, N]: the tokens so far; steps after every row has stopped are never run.
-    out = jnp.full((prompt.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    shape = (prompt.shape[0], max_new_tokens)
+    out = jax.lax.full(shape, pad_id, jnp.int32, sharding=_rows_of(prompt)).at[:, 0].set(first)
 
     def running(carry):
         i, _, _, done, _ = carry
@@ -474,19 +485,17 @@ def _generate_recompute(
     # The last new token is never read back, so the window stops one short of the end.
     window = prompt_len + max_new_tokens - 1
     # [B, P + N]: the prompt (its padding is overwritten as tokens come in), then room.
-    buffer = (
-        jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32).at[:, :prompt_len].set(prompt)
-    )
-    rows = jnp.arange(batch)
+    room = jax.lax.full((batch, max_new_tokens), 0, jnp.int32, sharding=_rows_of(prompt))
+    buffer = jnp.concatenate([prompt, room], axis=1)
+    column = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, 1, out_sharding=_rows_of(prompt))
 
     def step(i, buffer):
         # [B, window, V]: the whole sequence again, for one new token per row.
         logits = forward_fn(params, buffer[:, :window])
         pos = lengths + i  # [B]: where the new token goes; its logits sit one before
-        token = sample_next(
-            logits[rows, pos - 1], jax.random.fold_in(key, i), temperature=temperature, top_k=top_k
-        )
-        return buffer.at[rows, pos].set(token)
+        last = jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0]
+        token = sample_next(last, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
+        return jnp.where(column == pos[:, None], token[:, None], buffer)
 
     buffer = jax.lax.fori_loop(0, max_new_tokens, step, buffer)
     # [B, N]: each row's continuation, starting right after its real prompt.

@@ -93,7 +93,7 @@ import numpy as np
 
 from jattn import _checks, _fused_cache, functional
 from jattn import masks as masks_lib
-from jattn._util import softmax_dtype
+from jattn._util import sharded_axes, softmax_dtype
 
 __all__ = [
     "KVCache",
@@ -300,7 +300,7 @@ def append(cache: AnyCache, key, value, *, num_new=None) -> AnyCache:
     """
     cache = _check_cache(cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
-    return _append(cache, key, value, num_new)
+    return _append(*_one_layout(cache, key, value, num_new))
 
 
 def _check_chunk(cache: AnyCache, key, value, num_new):
@@ -346,6 +346,29 @@ def _check_chunk(cache: AnyCache, key, value, num_new):
     return key, value, num_new
 
 
+def _one_layout(cache: AnyCache, key: Array, value: Array, num_new: Array):
+    """``(cache, key, value, num_new)`` sharded alike on a mesh with explicit axes: each
+    batch axis and the heads axis as the chunk has it, or else as the cache has it; the
+    positions and features whole. So a cache built unsharded takes the keys of rows or
+    heads split over devices and keeps them there (in a jitted loop, build it sharded so
+    its type stays the same). Unchanged when nothing is sharded in its type."""
+    if not sharded_axes(cache, key, value, num_new):
+        return cache, key, value, num_new
+    lead = key.ndim - 3
+    ours, theirs = (jax.typeof(x).sharding for x in (key, cache.keys))
+    padded = [(*s.spec, *(None,) * (key.ndim - len(s.spec))) for s in (ours, theirs)]
+    axes = [a if a is not None else b for a, b in zip(*padded, strict=True)]
+    rows, heads = axes[:lead], axes[-2]
+
+    def put(x, spec):
+        return jax.sharding.reshard(x, ours.update(spec=jax.P(*spec)))
+
+    keys, values = (put(x, (*rows, None, heads, None)) for x in (cache.keys, cache.values))
+    key, value = (put(x, (*rows, None, heads, None)) for x in (key, value))
+    cache = cache._replace(keys=keys, values=values, lengths=put(cache.lengths, rows))
+    return cache, key, value, put(num_new, rows)
+
+
 def _append(cache: AnyCache, key: Array, value: Array, num_new: Array) -> AnyCache:
     """:func:`append` of a chunk :func:`_check_chunk` validated."""
     if isinstance(cache, RollingKVCache):
@@ -368,9 +391,10 @@ def _write(buf: Array, x: Array, dest: Array) -> Array:
     """``buf [batch..., capacity, K, D]`` with ``x [batch..., T, K, D]`` written at slots
     ``dest [B, T]`` (B = the flattened batch); a slot of ``capacity`` is dropped."""
     n = dest.shape[0]
-    rows = jnp.arange(n)[:, None]
-    flat = buf.reshape(n, *buf.shape[-3:])
-    flat = flat.at[rows, dest].set(x.reshape(n, *x.shape[-3:]).astype(buf.dtype), mode="drop")
+    flat, x = buf.reshape(n, *buf.shape[-3:]), x.reshape(n, *x.shape[-3:]).astype(buf.dtype)
+    # Row by row (vmap): a row's slots index its own row only, so rows sharded over a mesh
+    # stay on their devices.
+    flat = jax.vmap(lambda row, new, slots: row.at[slots].set(new, mode="drop"))(flat, x, dest)
     return flat.reshape(buf.shape)
 
 
@@ -606,7 +630,7 @@ def fused(cache: AnyCache, query=None, attend_kwargs=None) -> bool:
     if type(cache) is not KVCache:
         return False
     kwargs = {} if attend_kwargs is None else attend_kwargs
-    return _fused_cache.takes((cache.keys.dtype, cache.values.dtype), query, kwargs)
+    return _fused_cache.takes((cache.keys, cache.values), query, kwargs)
 
 
 def _attend(cache, query, starts, num_new, mask, is_causal, window, modifiers, kwargs):
@@ -822,6 +846,7 @@ def update_and_attend(
     _check_attention_kwargs(attention_kwargs, "update_and_attend")
     query = _check_query(query, cache)
     key, value, num_new = _check_chunk(cache, key, value, num_new)
+    cache, key, value, num_new = _one_layout(cache, key, value, num_new)
     if query.shape[-3] != key.shape[-3]:
         raise ValueError(
             f"query and key must hold the same chunk of T tokens (query {query.shape}, key "

@@ -616,7 +616,7 @@ def fused(cache: PagedKVCache, query=None, attend_kwargs=None) -> bool:
     queries of the first three and chunks of up to :data:`FUSED_MAX_QUERIES` tokens
     (decoding steps, prefill chunks). ``query``/``attend_kwargs`` None: the cache alone."""
     kwargs = {} if attend_kwargs is None else attend_kwargs
-    return _fused_cache.takes((cache.k_pages.dtype, cache.v_pages.dtype), query, kwargs)
+    return _fused_cache.takes((cache.k_pages, cache.v_pages), query, kwargs)
 
 
 def _attend_fused(cache: PagedKVCache, query: Array, starts: Array, num_new: Array, kwargs):

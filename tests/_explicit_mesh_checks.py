@@ -3,7 +3,8 @@
 Run as ``python _explicit_mesh_checks.py SECTION`` (2 fake CPU devices, a ``('b',)`` mesh)
 by tests/test_routing.py (``attention``: the automatic rule, against a float64 numpy
 reference computed on the whole arrays) and tests/test_models.py (``models``: the three
-models' forward and gradient against the unsharded model); prints one JSON object.
+models' forward and gradient against the unsharded model; ``decoding``: their generation
+and the NNX module's KV cache against the unsharded ones); prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from jax.sharding import PartitionSpec as P
 from reference import np_attention
 
 import jattn
-from jattn import _routing, models
+from jattn import _fused_cache, _routing, models
 from jattn import nnx as jn
 from jattn.kernels.cpu import _library
 
 B, T, H, K, D = 4, 256, 4, 2, 16  # T: past the fused CPU kernel's and blockwise's lengths
 SPECS = {"batch": P("b"), "heads": P(None, None, "b")}
+OPS = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
+jax.config.update("jax_numpy_rank_promotion", "raise")  # as strict as the test suite
 BUILT = _library.library() is not None  # else the automatic rule has no kernel to take
 CHOSEN: list[str] = []  # the routes taken, read by a spy on _routing.choose
 
@@ -122,13 +125,17 @@ def collectives(mesh, spec, arrays) -> list[str]:
     f = attend(None)
     args = placed(mesh, spec, arrays)
     grad = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))
-    ops = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
     with jax.set_mesh(mesh):
         texts = [jax.jit(g).lower(*args).compile().as_text() for g in (f, grad)]
     CHOSEN.clear()
+    return moved_types(*texts)
+
+
+def moved_types(*texts) -> list[str]:
+    """The element types the collectives of compiled programs ``texts`` move."""
     moved = []
     for text in texts:
-        for result in re.findall(rf"= (.*?) (?:{ops})(?:-start)?\(", text):
+        for result in re.findall(rf"= (.*?) (?:{OPS})(?:-start)?\(", text):
             moved += re.findall(r"(\w+)\[", result)
     return sorted(set(moved))
 
@@ -184,10 +191,8 @@ def module_grad(mesh) -> dict:
     }
 
 
-def models_check(mesh) -> dict:
-    """Each model (GPT-2, Llama 3, Qwen3; one layer, T = 256) on batch-sharded token ids:
-    its jitted forward and gradient against the unsharded model's (relative), the
-    logits' spec and the attention's route."""
+def small_models() -> dict:
+    """GPT-2, Llama 3 and Qwen3 of one layer, context T, by class name."""
     small = dict(vocab_size=64, context_length=T, emb_dim=32, n_heads=2, n_layers=1)
     rope = dict(hidden_dim=64, n_kv_groups=1, rope_base=10_000.0, dtype=jnp.float32)
     cfgs = {
@@ -195,14 +200,20 @@ def models_check(mesh) -> dict:
         "Llama3Model": dict(small, **rope, rope_freq=None),
         "Qwen3Model": dict(small, **rope, head_dim=16, qk_norm=True),
     }
+    return {name: getattr(models, name)(cfg, rngs=nnx.Rngs(0)) for name, cfg in cfgs.items()}
+
+
+def models_check(mesh) -> dict:
+    """Each model (GPT-2, Llama 3, Qwen3; one layer, T = 256) on batch-sharded token ids:
+    its jitted forward and gradient against the unsharded model's (relative), the
+    logits' spec and the attention's route."""
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, size=(B, T)), jnp.int32)
 
     def loss(m, t):
         return jnp.mean(m(t) ** 2)
 
     result = {}
-    for name, cfg in cfgs.items():
-        model = getattr(models, name)(cfg, rngs=nnx.Rngs(0))
+    for name, model in small_models().items():
         want, grad_want = model(tokens), nnx.grad(loss)(model, tokens)
         CHOSEN.clear()
         with jax.set_mesh(mesh):
@@ -217,6 +228,79 @@ def models_check(mesh) -> dict:
             "spec": spec_of(out),
         }
     return result
+
+
+# The decoding check's runs, (model, prompt ids [B, 12]) -> the result: greedy with
+# per-row prompt lengths, stop tokens, top-k sampling, a rolling cache, the recomputing
+# loop and the stream.
+GENERATIONS = {
+    "greedy": lambda m, t: models.generate(m, t, 8, prompt_lengths=jnp.asarray([12, 5, 9, 3])),
+    "eos": lambda m, t: models.generate(m, t, 8, eos_id=[3, 7], return_lengths=True),
+    "sampled": lambda m, t: models.generate(
+        m, t, 8, temperature=1.0, top_k=5, key=jax.random.key(3)
+    ),
+    "rolling": lambda m, t: models.generate(m, t, 8, window=6),
+    "recompute": lambda m, t: models.generate(m, t, 8, use_cache=False),
+    "stream": lambda m, t: jnp.stack(list(models.generate_stream(m, t, 8, eos_id=3)), axis=1),
+}
+FUSED: list[bool] = []  # whether the KV caches' calls took the fused kernel (a spy)
+
+
+def _fused_spy(*call):
+    FUSED.append(_REAL_TAKES(*call))
+    return FUSED[-1]
+
+
+_REAL_TAKES, _fused_cache.takes = _fused_cache.takes, _fused_spy
+
+
+def decoding_check(mesh) -> dict:
+    """Each model's generation (GENERATIONS) from batch-sharded prompts against the
+    unsharded run: equal tokens, rows still sharded, the fused cache kernel not taken
+    (it has no partitioning rule) where the unsharded run takes it; the element types the
+    compiled loop moves between devices; and the NNX module's KV cache with its heads
+    sharded (:func:`module_decoding`)."""
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(B, 12)), jnp.int32)
+    result = {}
+    for name, model in small_models().items():
+        for case, run_case in GENERATIONS.items():
+            FUSED.clear()
+            want = jax.tree.leaves(run_case(model, tokens))
+            fused = any(FUSED)
+            FUSED.clear()
+            with jax.set_mesh(mesh):
+                sharded = jax.device_put(tokens, NamedSharding(mesh, P("b")))
+                got = jax.tree.leaves(run_case(model, sharded))
+            result[f"{name} {case}"] = {
+                "equal": all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)),
+                "specs": [spec_of(x) for x in got],
+                "fused": [fused, any(FUSED)],
+            }
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(tokens, NamedSharding(mesh, P("b")))
+        loop = jax.jit(lambda t: models.generate(model, t, 8, eos_id=3))
+        result["moved"] = moved_types(loop.lower(sharded).compile().as_text())
+    result["module"] = {rolling: module_decoding(mesh, rolling) for rolling in ("plain", "rolling")}
+    return result
+
+
+def module_decoding(mesh, kind: str) -> dict:
+    """The NNX module with model_axis (heads over 'b'): a jitted prefill of 9 tokens and
+    one step through its cache (``kind`` "rolling": a rolling one of 6 positions) against
+    the unsharded module's (max abs error), and the output's spec."""
+    x = jax.random.normal(jax.random.key(1), (2, 10, 8))
+
+    def run(module, x):
+        module.init_cache((2, 6 if kind == "rolling" else 12, 8), rolling=kind == "rolling")
+        first = module(x[:, :9], decode=True)
+        return jnp.concatenate([first, module(x[:, 9:], decode=True)], axis=1)
+
+    want = run(jn.MultiHeadAttention(8, 8, 16, 0.0, 2, rngs=nnx.Rngs(0)), x)
+    with jax.set_mesh(mesh):
+        module = jn.MultiHeadAttention(8, 8, 16, 0.0, 2, model_axis="b", rngs=nnx.Rngs(0))
+        got = nnx.jit(run)(module, jax.device_put(x, NamedSharding(mesh, P())))
+        keys = module.cache.get_value().keys
+    return {"err": float(jnp.max(jnp.abs(got - want))), "cache_spec": spec_of(keys)}
 
 
 def attention_check(mesh) -> dict:
@@ -242,7 +326,8 @@ def attention_check(mesh) -> dict:
 
 def main() -> None:
     mesh = jax.make_mesh((2,), ("b",))
-    check = {"attention": attention_check, "models": models_check}[sys.argv[1]]
+    sections = {"attention": attention_check, "models": models_check, "decoding": decoding_check}
+    check = sections[sys.argv[1]]
     print(json.dumps(check(mesh)))
 
 

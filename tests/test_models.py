@@ -26,6 +26,7 @@ from flax import nnx
 
 from jattn import models
 from jattn import nnx as jnnx
+from jattn.kernels import cpu as cpu_kernels
 from jattn.models import generation, layers
 
 GPT_CFG = dict(
@@ -840,3 +841,46 @@ def test_models_train_on_batch_sharded_tokens_on_an_explicit_mesh(name):
 @functools.cache
 def _explicit_models() -> dict:
     return run_checks(Path(__file__).with_name("_explicit_mesh_checks.py"), "models")
+
+
+@functools.cache
+def _explicit_decoding() -> dict:
+    return run_checks(Path(__file__).with_name("_explicit_mesh_checks.py"), "decoding")
+
+
+_GENERATIONS = ["greedy", "eos", "sampled", "rolling", "recompute", "stream"]
+
+
+@pytest.mark.parametrize("case", _GENERATIONS)
+@pytest.mark.parametrize("name", ["GPTModel", "Llama3Model", "Qwen3Model"])
+def test_models_generate_from_batch_sharded_prompts_on_an_explicit_mesh(name, case):
+    """generate / generate_stream from prompts sharded over the batch on jax.make_mesh's
+    explicit axes (2 fake devices, tests/_explicit_mesh_checks.py; they raised in the KV
+    cache's write before): the same tokens as the unsharded run (greedy with per-row prompt
+    lengths, stop tokens and lengths, top-k sampling from one key, a rolling cache, the
+    recomputing loop, the stream), the rows still sharded, and the fused cache kernel (no
+    partitioning rule) left to the general path where the unsharded run takes it."""
+    got = _explicit_decoding()[f"{name} {case}"]
+    assert got["equal"], got
+    assert all(spec[0] == "b" for spec in got["specs"]), got
+    unsharded_fused, sharded_fused = got["fused"]
+    assert not sharded_fused
+    cached = case in ("greedy", "eos", "sampled", "stream")  # a rolling cache is not fused
+    assert unsharded_fused == (cached and cpu_kernels.available())
+
+
+def test_generation_on_batch_sharded_prompts_moves_only_the_stop_flag():
+    """The compiled generation loop on batch-sharded prompts: each device decodes its own
+    rows through its own share of the caches; only "has every row stopped" (a bool
+    all-reduce) travels between the devices."""
+    assert _explicit_decoding()["moved"] == ["pred"]
+
+
+@pytest.mark.parametrize("kind", ["plain", "rolling"])
+def test_nnx_module_decodes_with_heads_sharded_on_an_explicit_mesh(kind):
+    """MultiHeadAttention(model_axis=...) decoding on an explicit mesh (heads over 2 fake
+    devices): the cache built unsharded takes the heads' layout at its first write (it
+    raised before), and a jitted prefill and step equal the unsharded module's."""
+    got = _explicit_decoding()["module"][kind]
+    assert got["err"] < 1e-6, got
+    assert got["cache_spec"] == [None, None, "b", None]

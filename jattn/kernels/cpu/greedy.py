@@ -6,7 +6,8 @@ then the first index holding it) it takes about a fifth of a small model's decod
 on ``[16, 8192]`` logits. On CPU with jattn's kernel built, :func:`argmax` is one
 ``jax.ffi.ffi_call`` (``jattn_cpu_argmax``) that reads each row once, in the widest
 vectors the CPU has (those of the attention kernels' instruction set); elsewhere (another
-platform's lowering, or no kernel) it is the two reductions. Both give ``jnp.argmax``'s
+platform's lowering, no kernel, or logits sharded over a mesh in their type, which the
+kernel's call would gather) it is the two reductions. Both give ``jnp.argmax``'s
 answer: the first NaN of a row that holds one, else its first largest value.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn._util import sharded_axes
 from jattn.kernels.cpu import _library
 
 __all__ = ["argmax"]
@@ -34,7 +36,7 @@ def argmax(logits) -> Array:
         raise TypeError(f"logits must be floating point, got {logits.dtype}.")
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [batch..., V] with V >= 1, got shape {logits.shape}.")
-    if _library.library() is None or logits.dtype == jnp.float64:
+    if _library.library() is None or logits.dtype == jnp.float64 or sharded_axes(logits):
         return _xla(logits)
     # float32 holds bfloat16 and float16 exactly: the order, ties and NaNs are kept. An
     # index has no derivative: a stopped gradient keeps jax.grad / jax.jvp away from the
@@ -60,7 +62,9 @@ def _xla(logits: Array) -> Array:
     vocab = logits.shape[-1]
     nan = jnp.isnan(logits)
     top = jnp.max(jnp.where(nan, jnp.inf, logits), axis=-1, keepdims=True)
-    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    index = jax.lax.broadcasted_iota(
+        jnp.int32, logits.shape, logits.ndim - 1, out_sharding=jax.typeof(logits).sharding
+    )
     # a NaN's index ranks before every largest's (index + vocab); the rest after both
     rank = jnp.where(nan, index, jnp.where(logits == top, index + vocab, 2 * vocab))
     first = jnp.min(rank, axis=-1)
