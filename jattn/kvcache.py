@@ -281,6 +281,9 @@ def append(cache: AnyCache, key, value, *, num_new=None) -> AnyCache:
     ``lengths[b] ... lengths[b] + num_new[b] - 1``; padding tokens are not written. A
     :class:`RollingKVCache` writes position ``p`` to slot ``p % capacity``, and only the
     last ``capacity`` real tokens of a chunk (the earlier ones would be overwritten anyway).
+    On a mesh with explicit axes (``jax.make_mesh``), a chunk whose rows or heads are
+    sharded in its type shards the cache's the same way (so a cache built unsharded follows
+    a sharded model's keys), and each device writes its own rows and heads.
 
     Args:
       cache: a :class:`KVCache`.
