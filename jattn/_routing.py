@@ -43,7 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, _util, blockwise, dense, kernels, mods
+from jattn import _checks, _per_device, _util, blockwise, dense, kernels, mods
 from jattn._call import DenseExtras, Operands, Settings
 from jattn.kernels import _deferred
 
@@ -130,38 +130,50 @@ def _kernel_autodiff_obstacle(*arrays) -> str | None:
 
 
 # The kernels whose calls carry their own partitioning rule (jax's cuDNN attention; no GPU
-# here to check it on): they take explicitly sharded operands as they are. The others are
-# refused there (:func:`_sharding_obstacle`); blockwise takes them (its loops run with the
-# mesh's axes made automatic), and dense is XLA's own ops.
+# here to check it on): they take explicitly sharded operands as they are. The others run
+# on each device's rows and heads inside jax.shard_map where that is the same call
+# (jattn._per_device), else are refused (:func:`_sharding_obstacle`); blockwise takes
+# every sharded call (its loops run with the mesh's axes made automatic), and dense is
+# XLA's own ops.
 PARTITIONED_KERNELS = ("cudnn",)
 
 
-def _sharding_obstacle(name: str, query, key, value, ops: Operands) -> str | None:
+def _sharding_obstacle(name: str, query, key, value, ops: Operands, settings) -> str | None:
     """Why kernel ``name`` cannot take explicitly sharded operands (None: it can, or they
     are not). Its custom call runs on whole arrays with no partitioning rule: XLA would
     gather the operands to every device and compute the whole call on each, and the
-    gradients would come back replicated, which jax's types refuse."""
+    gradients would come back replicated, which jax's types refuse; so it runs on each
+    device's share (:func:`_per_device.run`) unless that would be another call."""
     if name in PARTITIONED_KERNELS:
         return None
-    axes = _util.sharded_axes(query, key, value, ops)
-    if not axes:
+    reason = _per_device.obstacle(query, key, value, ops, settings)
+    if reason is None:
         return None
     return (
-        f"the operands are sharded over mesh axes {axes} (explicit sharding, jax.make_mesh's "
-        f"default), and the {name} kernel runs on whole arrays with no partitioning rule (XLA "
-        f"would gather them to every device); call it inside jax.shard_map on each device's "
-        f"shard to use it"
+        f"the operands are sharded over mesh axes {_util.sharded_axes(query, key, value, ops)} "
+        f"(explicit sharding, jax.make_mesh's default), and the {name} kernel, which has no "
+        f"partitioning rule, runs on each device's rows and heads only when that is the same "
+        f"call: here {reason}; call it inside jax.shard_map on each device's shard to use it"
     )
 
 
-def _unsharded(name: str, obstacle: Callable[..., str | None]) -> Callable[..., str | None]:
+def _per_device_check(name: str, obstacle: Callable[..., str | None]) -> Callable[..., str | None]:
     """``obstacle`` after :func:`_sharding_obstacle`."""
 
     def check(query, key, value, ops, settings, extras):
-        reason = _sharding_obstacle(name, query, key, value, ops)
+        reason = _sharding_obstacle(name, query, key, value, ops, settings)
         return reason if reason is not None else obstacle(query, key, value, ops, settings, extras)
 
     return check
+
+
+def _per_device_run(run: Callable) -> Callable:
+    """``run`` on each device's rows and heads of explicitly sharded operands."""
+
+    def sharded(query, key, value, ops, settings, extras):
+        return _per_device.run(run, query, key, value, ops, settings, extras)
+
+    return sharded
 
 
 def _dense_run(query, key, value, ops, settings, extras):
@@ -393,7 +405,7 @@ def _host_gpu_obstacle(platform: str) -> str | None:
 
 def _pallas_obstacle_on(platform: str, query, key, value, ops, settings, extras) -> str | None:
     """Why jattn's Pallas kernel cannot honour the call lowered for ``platform``."""
-    sharded = _sharding_obstacle("pallas", query, key, value, ops)
+    sharded = _sharding_obstacle("pallas", query, key, value, ops, settings)
     if sharded is not None:
         return sharded
     module = kernels.adapter("pallas")
@@ -513,15 +525,24 @@ ROUTES: dict[str, Route] = {
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
     # The adapters of jax's kernels: modifiers refused here; the others judge their own.
     **{
-        name: Route(_unsharded(name, _kernel_obstacle(name)), _kernel_run(name))
-        for name in kernels.KERNELS
-        if name not in (*CONTRACT_KERNELS, "pallas")
+        name: Route(_per_device_check(name, _kernel_obstacle(name)), _kernel_run(name))
+        for name in PARTITIONED_KERNELS
     },
     **{
-        name: Route(_unsharded(name, _contract_obstacle(name)), _contract_run(name))
+        name: Route(
+            _per_device_check(name, _kernel_obstacle(name)), _per_device_run(_kernel_run(name))
+        )
+        for name in kernels.KERNELS
+        if name not in (*CONTRACT_KERNELS, *PARTITIONED_KERNELS, "pallas")
+    },
+    **{
+        name: Route(
+            _per_device_check(name, _contract_obstacle(name)),
+            _per_device_run(_contract_run(name)),
+        )
         for name in CONTRACT_KERNELS
     },
-    "pallas": Route(_pallas_obstacle, _pallas_run),
+    "pallas": Route(_pallas_obstacle, _per_device_run(_pallas_run)),
 }
 ALIASES = _util.ALIASES  # jax.nn's names
 # Every implementation name is routed (the one list: jattn._util.IMPLEMENTATIONS).

@@ -10,6 +10,7 @@ and the NNX module's KV cache against the unsharded ones); prints one JSON objec
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -31,6 +32,7 @@ from jattn import nnx as jn
 from jattn.kernels.cpu import _library
 
 B, T, H, K, D = 4, 256, 4, 2, 16  # T: past the fused CPU kernel's and blockwise's lengths
+TS = 128  # the per-device operand cases' tokens (the kernels by name)
 SPECS = {"batch": P("b"), "heads": P(None, None, "b")}
 OPS = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as strict as the test suite
@@ -152,14 +154,121 @@ def with_options(mesh, spec, arrays) -> dict:
     return errs
 
 
-def refused(mesh, spec, arrays, implementation) -> str:
+def refused(mesh, spec, arrays, implementation, **options) -> str:
     try:
-        run(attend(implementation), mesh, spec, arrays)
+        run(attend(implementation, **options), mesh, spec, arrays)
     except ValueError as e:
         return str(e)
     finally:
         CHOSEN.clear()
     return ""
+
+
+def _operand_cases(rng) -> dict:
+    """The per-device cases: keyword arguments of ``jattn.dot_product_attention`` beyond
+    q, k, v (TS tokens, causal), each an operand the kernel reads per row or per head."""
+    ts = TS
+    bias = rng.normal(size=(B, 1, ts, ts)).astype(np.float32)
+    shared_bias = rng.normal(size=(1, H, ts, ts)).astype(np.float32)
+    mask = rng.random((B, 1, ts, ts)) < 0.8
+    segments = np.repeat(np.arange(2), ts // 2)[None].repeat(B, 0).astype(np.int32)
+    return {
+        "bias per row": dict(bias=bias),
+        "bias shared by the rows": dict(bias=shared_bias),
+        "mask and lengths": dict(
+            mask=mask,
+            query_seq_lengths=np.array([ts, 100, 64, 1], np.int32),
+            key_value_seq_lengths=np.array([ts, 90, ts, 40], np.int32),
+        ),
+        "sinks": dict(sinks=rng.normal(size=(H,)).astype(np.float32)),
+        "two segment arrays": dict(
+            query_segment_ids=segments, key_value_segment_ids=segments[:, ::-1].copy()
+        ),
+        "log-sum-exp": dict(return_residual=True),
+    }
+
+
+def _per_device_case(mesh, spec, q, k, v, options) -> dict:
+    """The fused kernel by name on sharded operands against the unsharded dense call:
+    the largest error of the output (and lse) and of every gradient (q, k, v, bias,
+    sinks), relative to the largest entry; the output's spec and the route."""
+    differentiable = {n: jnp.asarray(x) for n, x in options.items() if n in ("bias", "sinks")}
+    fixed = {n: x for n, x in options.items() if n not in differentiable}
+
+    def call(implementation):
+        def f(q, k, v, diff):
+            out = jattn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=implementation, **diff, **fixed
+            )
+            outs = out if isinstance(out, tuple) else (out,)
+            return outs, sum(jnp.sum(jnp.sin(o)) for o in outs)
+
+        return f
+
+    def grads(f, *args):
+        return jax.grad(lambda *a: f(*a)[1], argnums=(0, 1, 2, 3))(*args)
+
+    want = call("dense")(q, k, v, differentiable)[0], grads(call("dense"), q, k, v, differentiable)
+    CHOSEN.clear()
+    with jax.set_mesh(mesh):
+        full = (*spec, *(None,) * (4 - len(spec)))
+        kv_spec = P(*full[:2], full[2] if k.shape[2] > 1 else None)
+        args = [
+            jax.device_put(x, NamedSharding(mesh, s))
+            for x, s in ((q, spec), (k, kv_spec), (v, kv_spec))
+        ]
+        f = call("cpu_fused")
+        got = (
+            jax.jit(f)(*args, differentiable)[0],
+            jax.jit(lambda *a: grads(f, *a))(*args, differentiable),
+        )
+    routes = sorted(set(CHOSEN))
+    CHOSEN.clear()
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    errs = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs]
+    return {"routes": routes, "err": max(errs), "spec": spec_of(got[0][0])}
+
+
+def per_device(mesh, spec) -> dict:
+    """:func:`_per_device_case` for each of :func:`_operand_cases`, GQA (H heads over K)
+    and one key/value head (MQA)."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(B, TS, H, D)).astype(np.float32)
+    result = {}
+    for kv_heads in (K, 1):
+        k, v = (rng.normal(size=(B, TS, kv_heads, D)).astype(np.float32) for _ in "kv")
+        cases = _operand_cases(rng) if kv_heads == K else {"plain": {}}
+        for name, options in cases.items():
+            label = name if kv_heads == K else "one key/value head"
+            result[label] = _per_device_case(mesh, spec, q, k, v, options)
+    return result
+
+
+def split_groups(mesh) -> str:
+    """6 query heads over 3 key/value heads, the heads over 2 devices: a device's query
+    heads would need a key/value head it does not hold, so the kernel by name refuses."""
+    rng = np.random.default_rng(6)
+    q = rng.normal(size=(2, TS, 6, D)).astype(np.float32)
+    k = rng.normal(size=(2, TS, 3, D)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, NamedSharding(mesh, P(None, None, "b"))) for x in (q,)]
+        try:
+            jax.jit(lambda q, k: jattn.dot_product_attention(q, k, k, implementation="cpu_fused"))(
+                placed[0], jax.device_put(k, NamedSharding(mesh, P()))
+            )
+        except ValueError as e:
+            return str(e)
+    return ""
+
+
+def pallas_interpreted(mesh, spec, arrays, want) -> dict:
+    """jattn's Pallas kernel by name (interpret mode, as CPU tests run it) on the sharded
+    operands: the same per-device run as the CPU kernel's."""
+    os.environ["JATTN_PALLAS_INTERPRET"] = "1"
+    try:
+        return summary(*run(attend("pallas"), mesh, spec, arrays), want)
+    finally:
+        del os.environ["JATTN_PALLAS_INTERPRET"]
 
 
 def in_shard_map(mesh, arrays, want) -> dict:
@@ -314,12 +423,18 @@ def attention_check(mesh) -> dict:
             "blockwise": summary(*run(attend("blockwise"), mesh, spec, arrays), want),
             "collectives": collectives(mesh, spec, arrays),
             "options": with_options(mesh, spec, arrays),
-            "refused": refused(mesh, spec, arrays, "cpu_fused"),
+            "refused": refused(mesh, spec, arrays, "cpu_fused", **OPTIONS["dropout"]),
+            "refused_alibi": refused(mesh, spec, arrays, "cpu_fused", **OPTIONS["alibi"]),
             # an automatic mesh: no sharding in the types, the kernel is taken (XLA gathers)
             "auto_mesh": summary(*run(attend(None), auto_mesh, spec, arrays), want),
         }
     if BUILT:
         result["shard_map"] = in_shard_map(mesh, arrays, want)
+        for name, spec in SPECS.items():
+            result[name]["per_device"] = per_device(mesh, spec)
+        result["split_groups"] = split_groups(mesh)
+    for name, spec in SPECS.items():
+        result[name]["pallas"] = pallas_interpreted(mesh, spec, arrays, want)
     result["module"] = module_grad(mesh)
     return result
 

@@ -26,7 +26,7 @@ FLOORS = [
     ("jattn._util", "jattn._call", "jattn._prng", "jattn._checks", "jattn.book",
      "jattn.causality", "jattn.viz", "jattn.rope", "jattn.convert"),
     ("jattn.masks", "jattn.mods", "jattn.block_masks"),
-    ("jattn.dense", "jattn.blockwise", "jattn.kernels", "jattn.ring"),
+    ("jattn.dense", "jattn.blockwise", "jattn.kernels", "jattn.ring", "jattn._per_device"),
     ("jattn._routing",),
     ("jattn.functional",),
     ("jattn._fused_cache", "jattn.kvcache", "jattn.paged", "jattn.packing", "jattn.generate"),

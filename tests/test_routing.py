@@ -578,22 +578,26 @@ def explicit() -> dict:
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-@pytest.mark.parametrize("how", ["auto", "blockwise"])
-def test_explicitly_sharded_operands_take_blockwise_and_keep_their_sharding(explicit, sharded, how):
-    """The kernel would run on gathered arrays, and its replicated gradients failed jax's
-    type check; blockwise's tile loops failed on the sharded types. Blockwise now runs with
-    the mesh's axes made automatic inside, and its results keep the operands' specs."""
+@pytest.mark.parametrize("how", ["auto", "blockwise", "pallas"])
+def test_explicitly_sharded_operands_keep_their_sharding(explicit, sharded, how):
+    """The kernel ran on gathered arrays, and its replicated gradients failed jax's type
+    check; blockwise's tile loops failed on the sharded types. Now the automatic rule takes
+    the fused CPU kernel on each device's rows or heads (jax.shard_map), blockwise runs with
+    the mesh's axes made automatic inside, jattn's Pallas kernel (interpret mode) runs per
+    device too, and the results and gradients keep the operands' specs."""
     assert explicit["axis_types"] == ["AxisType.Explicit"]
     got = explicit[sharded][how]
-    assert got["routes"] == ["blockwise"]
+    kernel = "cpu_fused" if explicit["built"] else "blockwise"
+    assert got["routes"] == [{"auto": kernel}.get(how, how)]
     assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
     assert got["spec"] == got["grad_spec"] == SHARDED_SPECS[sharded]
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
 def test_each_device_computes_its_own_rows_or_heads(explicit, sharded):
-    """Forward and gradient move only the tile schedule between devices (bool flags; with
-    the heads sharded not even that): no split of the heads across the sharded axis."""
+    """The automatic rule's forward and gradient move nothing between devices but, on
+    blockwise, the tile schedule (bool flags): no split of the heads across the sharded
+    axis, no gathered operands."""
     assert set(explicit[sharded]["collectives"]) <= {"pred"}
 
 
@@ -604,12 +608,51 @@ def test_sharded_blockwise_equals_unsharded_with_options(explicit, sharded, opti
     assert explicit[sharded]["options"][option] < 1e-6
 
 
+PER_DEVICE_CASES = [
+    "bias per row",
+    "bias shared by the rows",
+    "mask and lengths",
+    "sinks",
+    "two segment arrays",
+    "log-sum-exp",
+    "one key/value head",
+]
+
+
+@pytest.mark.parametrize("case", PER_DEVICE_CASES)
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-def test_the_kernel_refuses_explicitly_sharded_operands(explicit, sharded):
-    message = explicit[sharded]["refused"]
+def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharded, case):
+    """cpu_fused by name on batch- or head-sharded queries, with each operand it reads per
+    row or per head laid out to match (a bias per row or shared by the rows, a mask with
+    query and key lengths, sinks, separate query/key segment ids, the log-sum-exp, one
+    key/value head for every query head): output and every gradient (q, k, v, bias, sinks;
+    a shared operand's summed over the devices) equal the unsharded dense call's."""
+    if not explicit["built"]:
+        pytest.skip("the fused CPU kernel is not built")
+    got = explicit[sharded]["per_device"][case]
+    assert got["routes"] == ["cpu_fused"]
+    assert got["err"] < 1e-5, got
+    assert got["spec"] == SHARDED_SPECS[sharded]
+
+
+@pytest.mark.parametrize("option", ["", "_alibi"])
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+def test_the_kernel_refuses_sharded_calls_keyed_by_global_indices(explicit, sharded, option):
+    """Dropout's mask and a modifier see the global batch and head indices, which a device
+    running its own share would not: the kernel by name refuses, saying why."""
+    message = explicit[sharded][f"refused{option}"]
     assert message.startswith("implementation='cpu_fused' cannot be used here")
     assert "sharded over mesh axes ('b',)" in message and "jax.shard_map" in message
-    assert "'blockwise' or 'dense'" in message
+    reason = "score_mod / mask_mod" if option else "dropout's mask is keyed by the global"
+    assert reason in message and "'blockwise' or 'dense'" in message
+
+
+def test_the_kernel_refuses_key_value_heads_split_across_a_group(explicit):
+    """6 query heads over 3 key/value heads, heads over 2 devices: a device's query heads
+    would need a key/value head another device holds."""
+    if not explicit["built"]:
+        pytest.skip("the fused CPU kernel is not built")
+    assert "3 key/value heads cannot follow the query heads over 2" in explicit["split_groups"]
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
@@ -632,5 +675,5 @@ def test_the_kernel_runs_inside_shard_map_on_an_explicit_mesh(explicit):
 def test_tensor_parallel_module_gradient_on_an_explicit_mesh(explicit):
     """The NNX module, heads over 'b' (model_axis), T = 256: its jitted gradient equals the
     unsharded module's (it failed jax's type check through the kernel)."""
-    assert explicit["module"]["routes"] == ["blockwise"]
+    assert explicit["module"]["routes"] == ["cpu_fused" if explicit["built"] else "blockwise"]
     assert explicit["module"]["err"] < 1e-5, explicit["module"]

@@ -1,0 +1,128 @@
+"""A kernel on explicitly sharded operands, run on each device's rows and heads.
+
+jattn's kernels (the fused CPU kernel, the Pallas kernels) are custom calls on whole
+arrays, with no partitioning rule. On a mesh whose axes are explicit (``jax.make_mesh``'s
+default) the operands' sharding is in their types, so a call whose queries are sharded
+over batch or head axes can run the kernel inside ``jax.shard_map``: each device attends
+its own rows and heads, as the unsharded call does for them, and nothing moves between
+devices. :func:`obstacle` says when that is not the same call: a dropout mask or a
+modifier keyed by the global batch and head indices (a device sees its own from 0), a
+query sharded along its tokens or features, grouped heads split across a group. The
+router then takes a path that partitions itself (blockwise, dense) or names the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+
+from jattn._call import Operands, Settings
+from jattn._util import sharded_axes
+
+Array = jax.Array
+
+# The operands laid out as [batch..., H, Tq, Tk] (broadcastable), [batch...] or
+# [batch..., T]: each gets the query's batch (and head) sharding where its axis is full.
+_SCORES = ("bias", "mask")
+_ROWS = ("q_lengths", "kv_lengths")
+_TOKENS = ("q_segments", "kv_segments")
+
+
+def _spec(x: Array) -> tuple:
+    """``x``'s partition spec in its type, one entry per axis."""
+    spec = jax.typeof(x).sharding.spec
+    return (*spec, *(None,) * (x.ndim - len(spec)))
+
+
+def _devices(entry) -> int:
+    """The devices a spec entry splits an axis over."""
+    if entry is None:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+
+def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None:
+    """Why a kernel cannot run on each device's share of this call (None: it can, or
+    nothing is sharded)."""
+    if not sharded_axes(query, key, value, ops):
+        return None
+    spec = _spec(query)
+    if any(entry is not None for entry in (spec[-3], spec[-1])):
+        return "the queries are sharded along their tokens or features"
+    if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:
+        return "the keys' batch axes differ from the queries'"
+    devices, kv_heads = _devices(spec[-2]), key.shape[-2]
+    if kv_heads % devices and kv_heads != 1:
+        return f"{kv_heads} key/value heads cannot follow the query heads over {devices} devices"
+    rate = ops.dropout_rate
+    if not (isinstance(rate, numbers.Real) and float(rate) == 0.0):
+        return "dropout's mask is keyed by the global batch and head indices"
+    if settings.score_mod is not None or settings.mask_mod is not None:
+        return "score_mod / mask_mod see the global batch and head indices"
+    if ops.block_mask is not None:
+        return "a block mask's tiles hold the global batch and heads"
+    return None
+
+
+def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras):
+    """``run_kernel(query, key, value, ops, settings, extras) -> (out, None, residual)`` on
+    each device's rows and heads (:func:`obstacle` is None); unsharded calls run directly."""
+    if not sharded_axes(query, key, value, ops):
+        return run_kernel(query, key, value, ops, settings, extras)
+    spec = _spec(query)
+    batch, heads = spec[:-3], spec[-2]
+    kv_heads = heads if key.shape[-2] % _devices(heads) == 0 else None
+    specs = {
+        "query": (*batch, None, heads, None),
+        "key": (*batch, None, kv_heads, None),
+        "value": (*batch, None, kv_heads, None),
+    }
+    arrays = {"query": query, "key": key, "value": value}
+    for name in (*_SCORES, *_ROWS, *_TOKENS, "sinks"):
+        x = getattr(ops, name)
+        if x is not None and not (name == "kv_segments" and x is ops.q_segments):
+            arrays[name] = x
+            specs[name] = _operand_spec(name, x, query, batch, heads)
+    names = list(arrays)
+    placed = [jax.sharding.reshard(arrays[n], jax.P(*specs[n])) for n in names]
+
+    def local(*shards):
+        given = dict(zip(names, shards, strict=True))
+        if "q_segments" in given and "kv_segments" not in given:
+            given["kv_segments"] = given["q_segments"]  # one id array for both
+        fields = {n: given[n] for n in given if n not in ("query", "key", "value")}
+        own = ops._replace(**fields, dropout_rng=None)
+        return run_kernel(given["query"], given["key"], given["value"], own, settings, extras)
+
+    out_specs = (jax.P(*specs["query"]), None, jax.P(*batch, None, heads))
+    if not settings.return_residual:
+        out_specs = (*out_specs[:2], None)
+    return jax.shard_map(
+        local,
+        in_specs=tuple(jax.P(*specs[n]) for n in names),
+        out_specs=out_specs,
+        axis_names=set(sharded_axes(query, key, value, ops)),
+        # The kernels' custom calls do not type how their results vary over the devices;
+        # the transpose then sums a replicated operand's cotangent over them (bias, sinks).
+        check_vma=False,
+    )(*placed)
+
+
+def _operand_spec(name: str, x: Array, query: Array, batch: tuple, heads) -> tuple:
+    """The spec of operand ``name``: the query's batch (and, for the score-shaped ones and
+    sinks, head) entries on axes as long as the query's, nothing on broadcast or token axes."""
+    if name == "sinks":
+        return (heads,)
+    lead = query.ndim - 3
+    if name in _SCORES:  # right-aligned to [batch..., H, Tq, Tk]
+        axes = [*zip(query.shape[:lead], batch, strict=True), (query.shape[-2], heads)]
+        axes = axes[len(axes) - (x.ndim - 2) :] if x.ndim - 2 < len(axes) else axes
+        full = [e if size == n else None for (n, e), size in zip(axes, x.shape[:-2], strict=True)]
+        return (*full, None, None)
+    own = x.ndim - (1 if name in _TOKENS else 0)  # the operand's batch axes, right-aligned
+    pairs = list(zip(query.shape[:lead], batch, strict=True))[lead - own :] if own else []
+    full = [e if size == n else None for (n, e), size in zip(pairs, x.shape[:own], strict=True)]
+    return (*full, *((None,) if name in _TOKENS else ()))
