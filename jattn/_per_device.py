@@ -17,6 +17,7 @@ import math
 import numbers
 
 import jax
+from jax.sharding import NamedSharding
 
 from jattn._call import Operands, Settings
 from jattn._util import sharded_axes
@@ -36,12 +37,16 @@ def _spec(x: Array) -> tuple:
     return (*spec, *(None,) * (x.ndim - len(spec)))
 
 
-def _devices(entry) -> int:
-    """The devices a spec entry splits an axis over."""
+def _devices(entry, mesh) -> int:
+    """The devices a spec entry splits an axis of ``mesh`` over."""
     if entry is None:
         return 1
-    mesh = jax.sharding.get_abstract_mesh()
     return math.prod(mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+
+def _mesh(query: Array):
+    """The (abstract) mesh of the query's type: the call needs no ``jax.set_mesh``."""
+    return jax.typeof(query).sharding.mesh
 
 
 def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None:
@@ -54,7 +59,7 @@ def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None
         return "the queries are sharded along their tokens or features"
     if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:
         return "the keys' batch axes differ from the queries'"
-    devices, kv_heads = _devices(spec[-2]), key.shape[-2]
+    devices, kv_heads = _devices(spec[-2], _mesh(query)), key.shape[-2]
     if kv_heads % devices and kv_heads != 1:
         return f"{kv_heads} key/value heads cannot follow the query heads over {devices} devices"
     rate = ops.dropout_rate
@@ -72,9 +77,9 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     each device's rows and heads (:func:`obstacle` is None); unsharded calls run directly."""
     if not sharded_axes(query, key, value, ops):
         return run_kernel(query, key, value, ops, settings, extras)
-    spec = _spec(query)
+    spec, mesh = _spec(query), _mesh(query)
     batch, heads = spec[:-3], spec[-2]
-    kv_heads = heads if key.shape[-2] % _devices(heads) == 0 else None
+    kv_heads = heads if key.shape[-2] % _devices(heads, mesh) == 0 else None
     specs = {
         "query": (*batch, None, heads, None),
         "key": (*batch, None, kv_heads, None),
@@ -87,7 +92,7 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
             arrays[name] = x
             specs[name] = _operand_spec(name, x, query, batch, heads)
     names = list(arrays)
-    placed = [jax.sharding.reshard(arrays[n], jax.P(*specs[n])) for n in names]
+    placed = [jax.sharding.reshard(arrays[n], NamedSharding(mesh, jax.P(*specs[n]))) for n in names]
 
     def local(*shards):
         given = dict(zip(names, shards, strict=True))
@@ -102,6 +107,7 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
         out_specs = (*out_specs[:2], None)
     return jax.shard_map(
         local,
+        mesh=mesh,
         in_specs=tuple(jax.P(*specs[n]) for n in names),
         out_specs=out_specs,
         axis_names=set(sharded_axes(query, key, value, ops)),

@@ -193,7 +193,10 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
                 )
     rows = _rows_of(prompt)
     if rows.spec[0] is not None:  # rows sharded in their type: the lengths go with them
-        lengths = jax.sharding.reshard(lengths, rows)
+        if isinstance(prompt, jax.core.Tracer):
+            lengths = jax.sharding.reshard(lengths, rows)
+        else:  # placed on the prompt's devices (no jax.set_mesh needed)
+            lengths = jax.device_put(lengths, prompt.sharding.update(spec=rows.spec))
     return prompt.astype(jnp.int32), lengths
 
 

@@ -271,6 +271,16 @@ def pallas_interpreted(mesh, spec, arrays, want) -> dict:
         del os.environ["JATTN_PALLAS_INTERPRET"]
 
 
+def without_set_mesh(mesh, arrays, want) -> dict:
+    """The automatic rule on batch-sharded operands placed with ``jax.device_put`` and no
+    ``jax.set_mesh``: the per-device run takes the mesh from the operands' types."""
+    f = attend(None)
+    args = placed(mesh, P("b"), arrays)
+    out = jax.jit(f)(*args)
+    dq = jax.jit(jax.grad(lambda q, *rest: jnp.sum(f(q, *rest) ** 2)))(*args)
+    return summary(out, dq, want)
+
+
 def in_shard_map(mesh, arrays, want) -> dict:
     """The fused kernel by name inside ``jax.shard_map`` over the batch: each device's own
     rows, no obstacle."""
@@ -385,10 +395,15 @@ def decoding_check(mesh) -> dict:
                 "specs": [spec_of(x) for x in got],
                 "fused": [fused, any(FUSED)],
             }
+    sharded = jax.device_put(tokens, NamedSharding(mesh, P("b")))
     with jax.set_mesh(mesh):
-        sharded = jax.device_put(tokens, NamedSharding(mesh, P("b")))
         loop = jax.jit(lambda t: models.generate(model, t, 8, eos_id=3))
         result["moved"] = moved_types(loop.lower(sharded).compile().as_text())
+    got = models.generate(model, sharded, 8, eos_id=3)  # no jax.set_mesh
+    result["without_set_mesh"] = {
+        "equal": bool(np.array_equal(got, models.generate(model, tokens, 8, eos_id=3))),
+        "spec": spec_of(got),
+    }
     result["module"] = {rolling: module_decoding(mesh, rolling) for rolling in ("plain", "rolling")}
     return result
 
@@ -428,6 +443,7 @@ def attention_check(mesh) -> dict:
             # an automatic mesh: no sharding in the types, the kernel is taken (XLA gathers)
             "auto_mesh": summary(*run(attend(None), auto_mesh, spec, arrays), want),
         }
+    result["without_set_mesh"] = without_set_mesh(mesh, arrays, want)
     if BUILT:
         result["shard_map"] = in_shard_map(mesh, arrays, want)
         for name, spec in SPECS.items():

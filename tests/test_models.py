@@ -877,6 +877,13 @@ def test_generation_on_batch_sharded_prompts_moves_only_the_stop_flag():
     assert _explicit_decoding()["moved"] == ["pred"]
 
 
+def test_generate_from_sharded_prompts_needs_no_set_mesh():
+    """Prompts placed with jax.device_put on an explicit mesh, no jax.set_mesh: the same
+    tokens, rows still sharded (the prompt lengths were placed on one device and raised)."""
+    got = _explicit_decoding()["without_set_mesh"]
+    assert got["equal"] and got["spec"] == ["b", None], got
+
+
 @pytest.mark.parametrize("kind", ["plain", "rolling"])
 def test_nnx_module_decodes_with_heads_sharded_on_an_explicit_mesh(kind):
     """MultiHeadAttention(model_axis=...) decoding on an explicit mesh (heads over 2 fake

@@ -663,6 +663,15 @@ def test_an_automatic_mesh_still_takes_the_kernel(explicit, sharded):
     assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
 
 
+def test_sharded_operands_need_no_set_mesh(explicit):
+    """Operands placed with jax.device_put on an explicit mesh, no jax.set_mesh: the
+    automatic rule's call and gradient take the mesh from their types."""
+    got = explicit["without_set_mesh"]
+    assert got["routes"] == ["cpu_fused" if explicit["built"] else "blockwise"]
+    assert got["err"] < 1e-5 and got["grad_err"] < 1e-4, got
+    assert got["spec"] == got["grad_spec"] == SHARDED_SPECS["batch"]
+
+
 def test_the_kernel_runs_inside_shard_map_on_an_explicit_mesh(explicit):
     if not explicit["built"]:
         pytest.skip("the fused CPU kernel is not built")
