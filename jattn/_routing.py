@@ -167,8 +167,11 @@ def _per_device_check(name: str, obstacle: Callable[..., str | None]) -> Callabl
     return check
 
 
-def _per_device_run(run: Callable) -> Callable:
-    """``run`` on each device's rows and heads of explicitly sharded operands."""
+def _per_device_run(name: str, run: Callable) -> Callable:
+    """Kernel ``name``'s ``run`` on each device's rows and heads of explicitly sharded
+    operands (as it is for a kernel with its own partitioning rule)."""
+    if name in PARTITIONED_KERNELS:
+        return run
 
     def sharded(query, key, value, ops, settings, extras):
         return _per_device.run(run, query, key, value, ops, settings, extras)
@@ -525,24 +528,21 @@ ROUTES: dict[str, Route] = {
     "blockwise": Route(_blockwise_obstacle, _blockwise_run),
     # The adapters of jax's kernels: modifiers refused here; the others judge their own.
     **{
-        name: Route(_per_device_check(name, _kernel_obstacle(name)), _kernel_run(name))
-        for name in PARTITIONED_KERNELS
-    },
-    **{
         name: Route(
-            _per_device_check(name, _kernel_obstacle(name)), _per_device_run(_kernel_run(name))
+            _per_device_check(name, _kernel_obstacle(name)),
+            _per_device_run(name, _kernel_run(name)),
         )
         for name in kernels.KERNELS
-        if name not in (*CONTRACT_KERNELS, *PARTITIONED_KERNELS, "pallas")
+        if name not in (*CONTRACT_KERNELS, "pallas")
     },
     **{
         name: Route(
             _per_device_check(name, _contract_obstacle(name)),
-            _per_device_run(_contract_run(name)),
+            _per_device_run(name, _contract_run(name)),
         )
         for name in CONTRACT_KERNELS
     },
-    "pallas": Route(_pallas_obstacle, _per_device_run(_pallas_run)),
+    "pallas": Route(_pallas_obstacle, _per_device_run("pallas", _pallas_run)),
 }
 ALIASES = _util.ALIASES  # jax.nn's names
 # Every implementation name is routed (the one list: jattn._util.IMPLEMENTATIONS).
