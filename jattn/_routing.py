@@ -138,7 +138,9 @@ def _kernel_autodiff_obstacle(*arrays) -> str | None:
 PARTITIONED_KERNELS = ("cudnn",)
 
 
-def _sharding_obstacle(name: str, query, key, value, ops: Operands, settings) -> str | None:
+def _sharding_obstacle(
+    name: str, query, key, value, ops: Operands, settings: Settings
+) -> str | None:
     """Why kernel ``name`` cannot take explicitly sharded operands (None: it can, or they
     are not). Its custom call runs on whole arrays with no partitioning rule: XLA would
     gather the operands to every device and compute the whole call on each, and the

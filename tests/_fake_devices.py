@@ -9,11 +9,17 @@ This module imports no jax.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each worker runs its own checks
+    fcntl = None
 
 
 def force_cpu_devices(count: int) -> None:
@@ -25,7 +31,24 @@ def force_cpu_devices(count: int) -> None:
 
 
 def run_checks(script: Path, *args) -> dict:
-    """Runs ``script`` (a clean XLA_FLAGS) and returns the JSON object it printed last."""
+    """Runs ``script`` (a clean XLA_FLAGS) and returns the JSON object it printed last.
+
+    Under pytest-xdist the workers of one run share the result (``JATTN_CHECKS_DIR``, set
+    by tests/conftest.py): the first to ask runs the script, the others wait for its file
+    instead of running it again on the same cores."""
+    shared = os.environ.get("JATTN_CHECKS_DIR")
+    if shared is None or fcntl is None:
+        return _run_checks(script, *args)
+    name = hashlib.sha256(repr((str(script), *map(str, args))).encode()).hexdigest()[:16]
+    result = Path(shared) / f"{script.stem}-{name}.json"
+    with open(result.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not result.exists():
+            result.write_text(json.dumps(_run_checks(script, *args)))
+        return json.loads(result.read_text())
+
+
+def _run_checks(script: Path, *args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, str(script), *map(str, args)],

@@ -1,6 +1,7 @@
 """Shared fixtures and settings for the jattn test suite."""
 
 import os
+import tempfile
 from pathlib import Path
 
 # XLA compiles the suite's programs at backend (LLVM) optimisation level 0 (issue 24): they
@@ -31,6 +32,17 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 if os.environ.get("JATTN_REQUIRE_REFERENCES") == "1":
     import llms_from_scratch  # noqa: F401
     import torch  # noqa: F401
+
+
+def pytest_configure(config):
+    """pytest-xdist workers of one run share the multi-device checks' results
+    (tests/_fake_devices.run_checks) through a directory named after the run."""
+    run = getattr(config, "workerinput", {}).get("testrunuid")
+    if run is not None:
+        shared = Path(tempfile.gettempdir()) / f"jattn-checks-{run}"
+        shared.mkdir(exist_ok=True)
+        os.environ["JATTN_CHECKS_DIR"] = str(shared)
+
 
 # Deterministic property tests: 10 examples in the default run, 25 in CI's thorough leg
 # (`HYPOTHESIS_PROFILE=thorough pytest -m hypothesis`); `HYPOTHESIS_PROFILE=dev` explores more.
