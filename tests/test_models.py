@@ -852,6 +852,7 @@ def _explicit_decoding() -> dict:
 _GENERATIONS = ["greedy", "eos", "sampled", "rolling", "recompute", "stream"]
 
 
+@pytest.mark.slow  # multi-device generation (about 40 s of CPU)
 @pytest.mark.parametrize("case", _GENERATIONS)
 @pytest.mark.parametrize("name", ["GPTModel", "Llama3Model", "Qwen3Model"])
 def test_models_generate_from_batch_sharded_prompts_on_an_explicit_mesh(name, case):
@@ -870,6 +871,7 @@ def test_models_generate_from_batch_sharded_prompts_on_an_explicit_mesh(name, ca
     assert unsharded_fused == (cached and cpu_kernels.available())
 
 
+@pytest.mark.slow  # multi-device generation (about 40 s of CPU)
 def test_generation_on_batch_sharded_prompts_moves_only_the_stop_flag():
     """The compiled generation loop on batch-sharded prompts: each device decodes its own
     rows through its own share of the caches; only "has every row stopped" (a bool
@@ -877,6 +879,7 @@ def test_generation_on_batch_sharded_prompts_moves_only_the_stop_flag():
     assert _explicit_decoding()["moved"] == ["pred"]
 
 
+@pytest.mark.slow  # multi-device generation (about 40 s of CPU)
 def test_generate_from_sharded_prompts_needs_no_set_mesh():
     """Prompts placed with jax.device_put on an explicit mesh, no jax.set_mesh: the same
     tokens, rows still sharded (the prompt lengths were placed on one device and raised)."""
@@ -884,6 +887,7 @@ def test_generate_from_sharded_prompts_needs_no_set_mesh():
     assert got["equal"] and got["spec"] == ["b", None], got
 
 
+@pytest.mark.slow  # multi-device generation (about 40 s of CPU)
 @pytest.mark.parametrize("kind", ["plain", "rolling"])
 def test_nnx_module_decodes_with_heads_sharded_on_an_explicit_mesh(kind):
     """MultiHeadAttention(model_axis=...) decoding on an explicit mesh (heads over 2 fake
