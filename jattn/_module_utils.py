@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, functional, kvcache, mods
+from jattn import _checks, _util, functional, kvcache, mods
 from jattn import rope as rope_lib
 
 Array = jax.Array
@@ -418,7 +418,7 @@ def out_proj_sharding(context: Array, model_axis: str | None):
     axis_types = getattr(mesh, "axis_types", ())
     if not any(t == jax.sharding.AxisType.Explicit for t in axis_types):
         return None
-    spec = (*sharding.spec, *(None,) * (context.ndim - len(sharding.spec)))
+    spec = _util.axis_specs(context)
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
 
 

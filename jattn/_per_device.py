@@ -20,7 +20,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jattn._call import Operands, Settings
-from jattn._util import sharded_axes
+from jattn._util import axis_specs, sharded_axes
 
 Array = jax.Array
 
@@ -29,12 +29,6 @@ Array = jax.Array
 _SCORES = ("bias", "mask")
 _ROWS = ("q_lengths", "kv_lengths")
 _TOKENS = ("q_segments", "kv_segments")
-
-
-def _spec(x: Array) -> tuple:
-    """``x``'s partition spec in its type, one entry per axis."""
-    spec = jax.typeof(x).sharding.spec
-    return (*spec, *(None,) * (x.ndim - len(spec)))
 
 
 def _devices(entry, mesh) -> int:
@@ -54,7 +48,7 @@ def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None
     nothing is sharded)."""
     if not sharded_axes(query, key, value, ops):
         return None
-    spec = _spec(query)
+    spec = axis_specs(query)
     if any(entry is not None for entry in (spec[-3], spec[-1])):
         return "the queries are sharded along their tokens or features"
     if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:
@@ -77,7 +71,7 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     each device's rows and heads (:func:`obstacle` is None); unsharded calls run directly."""
     if not sharded_axes(query, key, value, ops):
         return run_kernel(query, key, value, ops, settings, extras)
-    spec, mesh = _spec(query), _mesh(query)
+    spec, mesh = axis_specs(query), _mesh(query)
     batch, heads = spec[:-3], spec[-2]
     kv_heads = heads if key.shape[-2] % _devices(heads, mesh) == 0 else None
     specs = {

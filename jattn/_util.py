@@ -16,6 +16,7 @@ __all__ = [
     "KERNELS",
     "OWN_PATHS",
     "Implementation",
+    "axis_specs",
     "expand_rank",
     "round_up",
     "sharded_axes",
@@ -55,6 +56,12 @@ def tile_cap(length: int, block: int) -> int:
 def expand_rank(x: Array, ndim: int) -> Array:
     """Leading singleton axes up to rank ``ndim`` (explicit, for rank promotion 'raise')."""
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+
+def axis_specs(x: Array) -> tuple:
+    """``x``'s partition spec in its type, one entry per axis (None: not sharded)."""
+    spec = jax.typeof(x).sharding.spec
+    return (*spec, *(None,) * (x.ndim - len(spec)))
 
 
 def sharded_axes(*trees) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ import numpy as np
 
 from jattn import _checks, kvcache
 from jattn import masks as masks_lib
+from jattn._util import axis_specs
 from jattn.kernels import cpu as cpu_kernels
 
 __all__ = [
@@ -203,8 +204,7 @@ def _check_prompt(prompt, prompt_lengths, max_new_tokens) -> tuple[Array, Array]
 def _rows_of(prompt: Array):
     """The sharding of an array of ``prompt``'s rows: its batch axis's on a mesh whose axes
     are explicit (in the types), none otherwise."""
-    sharding = jax.typeof(prompt).sharding
-    return sharding.update(spec=jax.P(sharding.spec[0] if sharding.spec else None))
+    return jax.typeof(prompt).sharding.update(spec=jax.P(axis_specs(prompt)[0]))
 
 
 def _check_cache_room(cache, lengths: Array, max_new_tokens: int) -> None:
@@ -488,9 +488,10 @@ def _generate_recompute(
     # The last new token is never read back, so the window stops one short of the end.
     window = prompt_len + max_new_tokens - 1
     # [B, P + N]: the prompt (its padding is overwritten as tokens come in), then room.
-    room = jax.lax.full((batch, max_new_tokens), 0, jnp.int32, sharding=_rows_of(prompt))
+    rows = _rows_of(prompt)
+    room = jax.lax.full((batch, max_new_tokens), 0, jnp.int32, sharding=rows)
     buffer = jnp.concatenate([prompt, room], axis=1)
-    column = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, 1, out_sharding=_rows_of(prompt))
+    column = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, 1, out_sharding=rows)
 
     def step(i, buffer):
         # [B, window, V]: the whole sequence again, for one new token per row.

@@ -93,7 +93,7 @@ import numpy as np
 
 from jattn import _checks, _fused_cache, functional
 from jattn import masks as masks_lib
-from jattn._util import sharded_axes, softmax_dtype
+from jattn._util import axis_specs, sharded_axes, softmax_dtype
 
 __all__ = [
     "KVCache",
@@ -358,9 +358,9 @@ def _one_layout(cache: AnyCache, key: Array, value: Array, num_new: Array):
     if not sharded_axes(cache, key, value, num_new):
         return cache, key, value, num_new
     lead = key.ndim - 3
-    ours, theirs = (jax.typeof(x).sharding for x in (key, cache.keys))
-    padded = [(*s.spec, *(None,) * (key.ndim - len(s.spec))) for s in (ours, theirs)]
-    axes = [a if a is not None else b for a, b in zip(*padded, strict=True)]
+    ours = jax.typeof(key).sharding
+    specs = (axis_specs(key), axis_specs(cache.keys))
+    axes = [a if a is not None else b for a, b in zip(*specs, strict=True)]
     rows, heads = axes[:lead], axes[-2]
 
     def put(x, spec):

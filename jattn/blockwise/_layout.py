@@ -21,7 +21,7 @@ from jax import lax
 
 from jattn import _prng
 from jattn._call import Operands, Settings
-from jattn._util import expand_rank, sharded_axes, softmax_dtype
+from jattn._util import axis_specs, expand_rank, sharded_axes, softmax_dtype
 from jattn.blockwise._config import Aux, Config, ModOperands, ModSpec, make_config
 from jattn.blockwise._mods import hoist_modifier, peel_band
 from jattn.blockwise._passes import core
@@ -69,7 +69,7 @@ def _on_auto_axes(attend, residual: bool, query, key, value, ops: Operands):
         return attend(*jax.tree.unflatten(tree, full))
 
     sharding = jax.typeof(query).sharding
-    lead = (*sharding.spec, *(None,) * (query.ndim - len(sharding.spec)))[:-1]
+    lead = axis_specs(query)[:-1]
     out_sharding = (
         sharding.update(spec=jax.P(*lead, None)),
         sharding.update(spec=jax.P(*lead)) if residual else None,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jattn import _checks, packing, rope
+from jattn import _checks, _util, packing, rope
 
 __all__ = ["LanguageModel"]
 
@@ -82,11 +82,10 @@ class LanguageModel(nnx.Module):
         """``table(ids)``: the rows of ``ids`` ``[batch..., T]``. On a mesh with explicit
         axes, ids sharded in their type (the batch over devices) state the rows' sharding
         (theirs, the features whole), which flax's gather cannot resolve alone."""
-        sharding = jax.typeof(ids).sharding
-        if all(entry is None for entry in sharding.spec):
+        spec = _util.axis_specs(ids)
+        if all(entry is None for entry in spec):
             return table(ids)
-        spec = (*sharding.spec, *(None,) * (ids.ndim - len(sharding.spec)), None)
-        return table(ids, out_sharding=sharding.update(spec=jax.P(*spec)))
+        return table(ids, out_sharding=jax.typeof(ids).sharding.update(spec=jax.P(*spec, None)))
 
     def check_token_ids(self, token_ids) -> Array:
         """Validates ``token_ids`` int ``[batch..., T]`` and returns them as an array.
