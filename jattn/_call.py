@@ -35,6 +35,10 @@ class Operands(NamedTuple):
         object as ``q_segments`` when the caller gave one id array for both).
       dropout_rate: drop probability (a float, or a traced scalar).
       dropout_rng: a ``jax.random`` key, or None when dropout is off.
+      dropout_rows: uint32 ``[batch..., H]``, set only when the call is one device's share
+        of a larger one (:mod:`jattn._per_device`, which runs only the kernels): the
+        dropout mask's row of each (batch row, head)'s first query in the whole call
+        (:func:`jattn._prng.row_starts`). None: the rows are numbered over this call.
       sinks: float ``[H]``: per-head attention-sink logits (one extra logit in each row's
         softmax that takes probability mass and contributes no value), or None.
       block_mask: a :class:`jattn.BlockMask` (tile states of ``Settings.mask_mod``, a
@@ -50,6 +54,7 @@ class Operands(NamedTuple):
     kv_segments: Array | None = None
     dropout_rate: float | Array = 0.0
     dropout_rng: Array | None = None
+    dropout_rows: Array | None = None
     sinks: Array | None = None
     block_mask: Any = None
 

@@ -5,20 +5,25 @@ arrays, with no partitioning rule. On a mesh whose axes are explicit (``jax.make
 default) the operands' sharding is in their types, so a call whose queries are sharded
 over batch or head axes can run the kernel inside ``jax.shard_map``: each device attends
 its own rows and heads, as the unsharded call does for them, and nothing moves between
-devices. :func:`obstacle` says when that is not the same call: a dropout mask or a
-modifier keyed by the global batch and head indices (a device sees its own from 0), a
-query sharded along its tokens or features, grouped heads split across a group. The
-router then takes a path that partitions itself (blockwise, dense) or names the reason.
+devices. Dropout's mask is keyed by the global batch and head indices, so each device
+is given its rows' numbers in the whole call (``Operands.dropout_rows``), and ALiBi's
+slopes are split with the heads. :func:`obstacle` says when a device's share is not the
+same call: any other modifier or a block mask (they see the global indices, a device its
+own from 0), a query sharded along its tokens or features, grouped heads split across a
+group. The router then takes a path that partitions itself (blockwise, dense) or names
+the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from jattn import _prng, mods
 from jattn._call import Operands, Settings
 from jattn._util import axis_specs, sharded_axes
 
@@ -56,11 +61,13 @@ def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None
     devices, kv_heads = _devices(spec[-2], _mesh(query)), key.shape[-2]
     if kv_heads % devices and kv_heads != 1:
         return f"{kv_heads} key/value heads cannot follow the query heads over {devices} devices"
-    rate = ops.dropout_rate
-    if not (isinstance(rate, numbers.Real) and float(rate) == 0.0):
-        return "dropout's mask is keyed by the global batch and head indices"
-    if settings.score_mod is not None or settings.mask_mod is not None:
-        return "score_mod / mask_mod see the global batch and head indices"
+    if not isinstance(settings.score_mod, (type(None), mods.Alibi, mods.SoftCap)):
+        return (
+            "a score_mod (other than a bare ALiBi or soft-cap) sees the global batch and "
+            "head indices"
+        )
+    if settings.mask_mod is not None:
+        return "a mask_mod sees the global batch and head indices"
     if ops.block_mask is not None:
         return "a block mask's tiles hold the global batch and heads"
     return None
@@ -73,28 +80,20 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
         return run_kernel(query, key, value, ops, settings, extras)
     spec, mesh = axis_specs(query), _mesh(query)
     batch, heads = spec[:-3], spec[-2]
-    kv_heads = heads if key.shape[-2] % _devices(heads, mesh) == 0 else None
-    specs = {
-        "query": (*batch, None, heads, None),
-        "key": (*batch, None, kv_heads, None),
-        "value": (*batch, None, kv_heads, None),
-    }
-    arrays = {"query": query, "key": key, "value": value}
-    for name in (*_SCORES, *_ROWS, *_TOKENS, "sinks"):
-        x = getattr(ops, name)
-        if x is not None and not (name == "kv_segments" and x is ops.q_segments):
-            arrays[name] = x
-            specs[name] = _operand_spec(name, x, query, batch, heads)
+    arrays, specs = _shares(query, key, value, ops, settings, batch, heads, mesh)
     names = list(arrays)
     placed = [jax.sharding.reshard(arrays[n], NamedSharding(mesh, jax.P(*specs[n]))) for n in names]
 
     def local(*shards):
         given = dict(zip(names, shards, strict=True))
+        q, k, v = (given.pop(n) for n in ("query", "key", "value"))
+        own = settings
+        if "slopes" in given:  # ALiBi with this device's heads' slopes
+            alibi = dataclasses.replace(settings.score_mod, slopes=given.pop("slopes"))
+            own = dataclasses.replace(settings, score_mod=alibi)
         if "q_segments" in given and "kv_segments" not in given:
             given["kv_segments"] = given["q_segments"]  # one id array for both
-        fields = {n: given[n] for n in given if n not in ("query", "key", "value")}
-        own = ops._replace(**fields, dropout_rng=None)
-        return run_kernel(given["query"], given["key"], given["value"], own, settings, extras)
+        return run_kernel(q, k, v, ops._replace(**given), own, extras)
 
     out_specs = (jax.P(*specs["query"]), None, jax.P(*batch, None, heads))
     if not settings.return_residual:
@@ -109,6 +108,34 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
         # the transpose then sums a replicated operand's cotangent over them (bias, sinks).
         check_vma=False,
     )(*placed)
+
+
+def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tuple[dict, dict]:
+    """``(arrays, specs)``: every array the kernel reads, by :class:`Operands` field name
+    (and query, key, value, ALiBi's ``slopes``), and how each is split over the devices."""
+    kv_heads = heads if key.shape[-2] % _devices(heads, mesh) == 0 else None
+    specs = {
+        "query": (*batch, None, heads, None),
+        "key": (*batch, None, kv_heads, None),
+        "value": (*batch, None, kv_heads, None),
+    }
+    arrays = {"query": query, "key": key, "value": value}
+    for name in (*_SCORES, *_ROWS, *_TOKENS, "sinks"):
+        x = getattr(ops, name)
+        if x is not None and not (name == "kv_segments" and x is ops.q_segments):
+            arrays[name] = x
+            specs[name] = _operand_spec(name, x, query, batch, heads)
+    if ops.dropout_rng is not None:  # the whole call's mask rows, the key and rate as given
+        *lead, tq, h, _ = query.shape
+        starts = _prng.row_starts(math.prod(lead), h, tq, settings.dropout_shared)
+        arrays["dropout_rows"] = jnp.broadcast_to(starts, (math.prod(lead), h)).reshape(*lead, h)
+        specs["dropout_rows"] = (*batch, heads)
+        arrays["dropout_rng"], specs["dropout_rng"] = ops.dropout_rng, ()
+        if isinstance(ops.dropout_rate, jax.Array):
+            arrays["dropout_rate"], specs["dropout_rate"] = ops.dropout_rate, ()
+    if isinstance(settings.score_mod, mods.Alibi):
+        arrays["slopes"], specs["slopes"] = settings.score_mod.slopes, (heads,)
+    return arrays, specs
 
 
 def _operand_spec(name: str, x: Array, query: Array, batch: tuple, heads) -> tuple:

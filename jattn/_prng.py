@@ -41,6 +41,7 @@ __all__ = [
     "key_words",
     "random_bits",
     "row_keys",
+    "row_starts",
 ]
 
 # Philox-4x32 constants from Random123: round multipliers and Weyl key increments.
@@ -102,6 +103,19 @@ def row_keys(words: jax.Array, row, *, unroll: bool = False) -> tuple[jax.Array,
     )
     x0, x1, _, _ = lax.fori_loop(0, _ROUNDS, round_, start, unroll=unroll)
     return x0, x1
+
+
+def row_starts(n: int, heads: int, q_len: int, shared: tuple[bool, bool]) -> jax.Array:
+    """uint32 ``[N|1, H|1]``: the mask row of each (flat batch row, head)'s first query, as
+    :func:`keep_mask` numbers the rows of a mask ``[batch..., H, Tq, Tk]`` whose axes in
+    ``shared = (over_batch, over_heads)`` have size 1 (one mask for them all: size 1 here
+    too). Query ``i`` of that row pair is mask row ``start + i``."""
+    over_batch, over_heads = shared
+    shape = (1 if over_batch else n, 1 if over_heads else heads)
+    per_batch = np.uint32((shape[1] * q_len) % 2**32)
+    return lax.broadcasted_iota(jnp.uint32, shape, 0) * per_batch + lax.broadcasted_iota(
+        jnp.uint32, shape, 1
+    ) * np.uint32(q_len % 2**32)
 
 
 def _mix(x: jax.Array) -> jax.Array:

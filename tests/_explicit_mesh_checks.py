@@ -88,6 +88,13 @@ OPTIONS = {
 }
 
 
+# Modifiers a kernel cannot take per device: they see the global batch and head indices.
+REFUSED = {
+    "score_mod": dict(score_mod=lambda s, b, h, q, kv: s + 0.1 * h),
+    "mask_mod": dict(mask_mod=lambda b, h, q, kv: (q + h) % 3 != 0),
+}
+
+
 def spec_of(x) -> list:
     """``x``'s partition spec, names as strings."""
     return [None if s is None else str(s) for s in x.sharding.spec]
@@ -185,20 +192,35 @@ def _operand_cases(rng) -> dict:
             query_segment_ids=segments, key_value_segment_ids=segments[:, ::-1].copy()
         ),
         "log-sum-exp": dict(return_residual=True),
+        # keyed by the global batch and head indices: each device is given its rows'
+        # numbers in the whole call, and ALiBi's slopes split with the heads
+        "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(7)),
+        "dropout shared by the heads": dict(
+            dropout_rate=0.3, dropout_rng=jax.random.key(8), broadcast_dropout="heads"
+        ),
+        "dropout shared by the rows": dict(
+            dropout_rate=0.3, dropout_rng=jax.random.key(9), broadcast_dropout="batch"
+        ),
+        "alibi": dict(slopes=np.asarray(jattn.mods.alibi_slopes(H))),
+        "softcap": dict(score_mod=jattn.mods.softcap(2.0)),
     }
 
 
-def _per_device_case(mesh, spec, q, k, v, options) -> dict:
-    """The fused kernel by name on sharded operands against the unsharded dense call:
-    the largest error of the output (and lse) and of every gradient (q, k, v, bias,
-    sinks), relative to the largest entry; the output's spec and the route."""
-    differentiable = {n: jnp.asarray(x) for n, x in options.items() if n in ("bias", "sinks")}
+def _per_device_case(mesh, spec, q, k, v, options, kernel="cpu_fused") -> dict:
+    """``kernel`` by name on sharded operands against the unsharded dense call: the
+    largest error of the output (and lse) and of every gradient (q, k, v, bias, sinks,
+    ALiBi's slopes), relative to the largest entry; the output's spec and the route."""
+    learned = ("bias", "sinks", "slopes")
+    differentiable = {n: jnp.asarray(x) for n, x in options.items() if n in learned}
     fixed = {n: x for n, x in options.items() if n not in differentiable}
 
     def call(implementation):
         def f(q, k, v, diff):
+            given = dict(diff)
+            if "slopes" in given:
+                given["score_mod"] = jattn.mods.alibi(given.pop("slopes"))
             out = jattn.dot_product_attention(
-                q, k, v, is_causal=True, implementation=implementation, **diff, **fixed
+                q, k, v, is_causal=True, implementation=implementation, **given, **fixed
             )
             outs = out if isinstance(out, tuple) else (out,)
             return outs, sum(jnp.sum(jnp.sin(o)) for o in outs)
@@ -217,7 +239,7 @@ def _per_device_case(mesh, spec, q, k, v, options) -> dict:
             jax.device_put(x, NamedSharding(mesh, s))
             for x, s in ((q, spec), (k, kv_spec), (v, kv_spec))
         ]
-        f = call("cpu_fused")
+        f = call(kernel)
         got = (
             jax.jit(f)(*args, differentiable)[0],
             jax.jit(lambda *a: grads(f, *a))(*args, differentiable),
@@ -242,6 +264,19 @@ def per_device(mesh, spec) -> dict:
             label = name if kv_heads == K else "one key/value head"
             result[label] = _per_device_case(mesh, spec, q, k, v, options)
     return result
+
+
+def pallas_per_device(mesh, spec) -> dict:
+    """jattn's Pallas kernel (interpret mode) by name with dropout and ALiBi on sharded
+    operands: :func:`_per_device_case` for each."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.normal(size=(B, TS, h, D)).astype(np.float32) for h in (H, K, K))
+    cases = {n: o for n, o in _operand_cases(rng).items() if n in ("dropout", "alibi")}
+    os.environ["JATTN_PALLAS_INTERPRET"] = "1"
+    try:
+        return {n: _per_device_case(mesh, spec, q, k, v, o, "pallas") for n, o in cases.items()}
+    finally:
+        del os.environ["JATTN_PALLAS_INTERPRET"]
 
 
 def split_groups(mesh) -> str:
@@ -437,8 +472,8 @@ def attention_check(mesh) -> dict:
             "blockwise": summary(*run(attend("blockwise"), mesh, spec, arrays), want),
             "collectives": collectives(mesh, spec, arrays),
             "options": with_options(mesh, spec, arrays),
-            "refused": refused(mesh, spec, arrays, "cpu_fused", **OPTIONS["dropout"]),
-            "refused_alibi": refused(mesh, spec, arrays, "cpu_fused", **OPTIONS["alibi"]),
+            "refused": refused(mesh, spec, arrays, "cpu_fused", **REFUSED["score_mod"]),
+            "refused_mask_mod": refused(mesh, spec, arrays, "pallas", **REFUSED["mask_mod"]),
             # an automatic mesh: no sharding in the types, the kernel is taken (XLA gathers)
             "auto_mesh": summary(*run(attend(None), auto_mesh, spec, arrays), want),
         }
@@ -450,6 +485,7 @@ def attention_check(mesh) -> dict:
         result["split_groups"] = split_groups(mesh)
     for name, spec in SPECS.items():
         result[name]["pallas"] = pallas_interpreted(mesh, spec, arrays, want)
+        result[name]["pallas_per_device"] = pallas_per_device(mesh, spec)
     result["module"] = module_grad(mesh)
     return result
 

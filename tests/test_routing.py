@@ -615,6 +615,11 @@ PER_DEVICE_CASES = [
     "sinks",
     "two segment arrays",
     "log-sum-exp",
+    "dropout",
+    "dropout shared by the heads",
+    "dropout shared by the rows",
+    "alibi",
+    "softcap",
     "one key/value head",
 ]
 
@@ -625,8 +630,11 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     """cpu_fused by name on batch- or head-sharded queries, with each operand it reads per
     row or per head laid out to match (a bias per row or shared by the rows, a mask with
     query and key lengths, sinks, separate query/key segment ids, the log-sum-exp, one
-    key/value head for every query head): output and every gradient (q, k, v, bias, sinks;
-    a shared operand's summed over the devices) equal the unsharded dense call's."""
+    key/value head for every query head): output and every gradient (q, k, v, bias, sinks,
+    ALiBi's slopes; a shared operand's summed over the devices) equal the unsharded dense
+    call's. Dropout (its mask keyed by the global batch and head indices, also shared by
+    the heads or the rows) drops what the unsharded call drops with the same key: each
+    device is given its rows' numbers in the whole call; ALiBi's slopes go with the heads."""
     if not explicit["built"]:
         pytest.skip("the fused CPU kernel is not built")
     got = explicit[sharded]["per_device"][case]
@@ -635,15 +643,27 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     assert got["spec"] == SHARDED_SPECS[sharded]
 
 
-@pytest.mark.parametrize("option", ["", "_alibi"])
+@pytest.mark.parametrize("case", ["dropout", "alibi"])
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+def test_the_pallas_kernel_runs_per_device_with_dropout_and_alibi(explicit, sharded, case):
+    """jattn's Pallas kernel (interpret mode) by name, batch- or head-sharded: the same
+    dropout mask and ALiBi slopes as the unsharded dense call, output and gradients."""
+    got = explicit[sharded]["pallas_per_device"][case]
+    assert got["routes"] == ["pallas"]
+    assert got["err"] < 1e-5, got
+    assert got["spec"] == SHARDED_SPECS[sharded]
+
+
+@pytest.mark.parametrize("option", ["", "_mask_mod"])
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
 def test_the_kernel_refuses_sharded_calls_keyed_by_global_indices(explicit, sharded, option):
-    """Dropout's mask and a modifier see the global batch and head indices, which a device
-    running its own share would not: the kernel by name refuses, saying why."""
+    """A score_mod or mask_mod of the user's sees the global batch and head indices, which a
+    device running its own share would not: the kernel by name refuses, saying why."""
     message = explicit[sharded][f"refused{option}"]
-    assert message.startswith("implementation='cpu_fused' cannot be used here")
+    kernel = "pallas" if option else "cpu_fused"
+    assert message.startswith(f"implementation='{kernel}' cannot be used here")
     assert "sharded over mesh axes ('b',)" in message and "jax.shard_map" in message
-    reason = "score_mod / mask_mod" if option else "dropout's mask is keyed by the global"
+    reason = "a mask_mod sees" if option else "a score_mod (other than a bare ALiBi or soft-cap)"
     assert reason in message and "'blockwise' or 'dense'" in message
 
 

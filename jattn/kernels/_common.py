@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn import masks
+from jattn import _prng, masks
+from jattn._call import Operands, Settings
 from jattn.kernels._contract import KernelQuery
 
 Array = jax.Array
@@ -38,6 +39,15 @@ def common_obstacle(query: KernelQuery, *, dtypes: tuple[str, ...], kernel: str)
     if name not in dtypes:
         return f"dtype {name} ({kernel} computes in {' or '.join(dtypes)})"
     return None
+
+
+def dropout_row_starts(ops: Operands, settings: Settings, n: int, heads: int, q_len: int):
+    """uint32 ``[N|1, H|1]``: the dropout mask's row of each (flat batch row, head)'s first
+    query (:func:`jattn._prng.row_starts`): the caller's numbering when the call is one
+    device's share of a larger one (``ops.dropout_rows``), else this call's own."""
+    if ops.dropout_rows is not None:
+        return ops.dropout_rows.reshape(n, heads)
+    return _prng.row_starts(n, heads, q_len, settings.dropout_shared)
 
 
 def flatten_batch(x: Array, tail_ndim: int) -> tuple[Array, tuple[int, ...]]:

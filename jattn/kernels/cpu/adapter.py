@@ -49,6 +49,7 @@ from jax import lax
 from jattn import _prng, mods
 from jattn._util import expand_rank
 from jattn.block_masks import FULL, PARTIAL, block_mask
+from jattn.kernels import _common as adapters_common
 from jattn.kernels._contract import KernelQuery
 from jattn.kernels.cpu import _library, _ops
 
@@ -257,15 +258,8 @@ def _dropout(batch, h, tq, ops, settings) -> dict:
         u32 = jnp.zeros((*batch, 1, 1), jnp.uint32)
         return dict(drop_k0=u32, drop_k1=u32, drop_threshold=jnp.zeros(batch, jnp.uint32),
                     drop_scale=jnp.ones(batch, jnp.float32))  # fmt: skip
-    over_batch, over_heads = settings.dropout_shared
-    u32 = jnp.uint32
-    row = lax.broadcasted_iota(u32, (1, 1, tq), 2)
-    if not over_heads:
-        row = row + lax.broadcasted_iota(u32, (1, h, 1), 1) * np.uint32(tq)
-    if not over_batch:
-        n = math.prod(batch)
-        per_batch = np.uint32(((1 if over_heads else h) * tq) % 2**32)
-        row = row + lax.broadcasted_iota(u32, (n, 1, 1), 0) * per_batch
+    starts = adapters_common.dropout_row_starts(ops, settings, math.prod(batch), h, tq)
+    row = starts[:, :, None] + lax.broadcasted_iota(jnp.uint32, (1, 1, tq), 2)
     k0, k1 = _prng.row_keys(_prng.key_words(ops.dropout_rng), row)
     keep = 1.0 - ops.dropout_rate
 

@@ -41,7 +41,6 @@ import math
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import _prng, _util, block_masks, blockwise, mods
 from jattn.kernels import _common as adapters_common
@@ -436,14 +435,8 @@ def _dropout(ins, spec, ops, settings, n, heads, q_len, padded_q) -> None:
     """Row keys ``[Nr, Hr, Tq, 1]`` numbered as the dense path's mask rows
     (:func:`jattn._prng.keep_mask`: row-major over ``[batch..., heads, q_len]``, shared
     axes of size 1), the keep threshold and ``1 / keep``."""
-    over_batch, over_heads = settings.dropout_shared
-    nr, hr = (1 if over_batch else n), (1 if over_heads else heads)
-    u32 = jnp.uint32
-    rows = (
-        jax.lax.broadcasted_iota(u32, (nr, hr, padded_q, 1), 0) * np.uint32((hr * q_len) % 2**32)
-        + jax.lax.broadcasted_iota(u32, (nr, hr, padded_q, 1), 1) * np.uint32(q_len)
-        + jax.lax.broadcasted_iota(u32, (nr, hr, padded_q, 1), 2)
-    )
+    starts = adapters_common.dropout_row_starts(ops, settings, n, heads, q_len)
+    rows = starts[:, :, None, None] + jax.lax.broadcasted_iota(jnp.uint32, (1, 1, padded_q, 1), 2)
     ins["key0"], ins["key1"] = _prng.row_keys(_prng.key_words(ops.dropout_rng), rows, unroll=True)
     keep_prob = 1.0 - ops.dropout_rate
     ins["threshold"] = _prng.keep_threshold(keep_prob).reshape(1, 1, 1)

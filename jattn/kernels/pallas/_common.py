@@ -61,7 +61,6 @@ class Spec:
     bias: tuple[bool, bool, bool, bool] | None = None  # full along (N, H, Tq, Tk)
     sinks: bool = False
     dropout: bool = False
-    dropout_rows: tuple[bool, bool] = (True, True)  # row keys vary along (N, H)
     softcap: float | None = None
     alibi: bool | None = None  # None: no ALiBi; else symmetric
     # The generic modifiers, hoisted (jattn.blockwise.hoist) once per tile shape the kernels
