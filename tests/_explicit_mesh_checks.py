@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+from functools import partial
 
 from _fake_devices import force_cpu_devices
 
@@ -206,10 +207,11 @@ def _operand_cases(rng) -> dict:
     }
 
 
-def _per_device_case(mesh, spec, q, k, v, options, kernel="cpu_fused") -> dict:
-    """``kernel`` by name on sharded operands against the unsharded dense call: the
-    largest error of the output (and lse) and of every gradient (q, k, v, bias, sinks,
-    ALiBi's slopes), relative to the largest entry; the output's spec and the route."""
+def _per_device_case(mesh, q, k, v, options, kernel="cpu_fused") -> dict:
+    """``kernel`` by name on operands sharded by each of SPECS against the unsharded dense
+    call: per spec, the largest error of the output (and lse) and of every gradient (q, k,
+    v, bias, sinks, ALiBi's slopes), relative to the largest entry; the output's spec and
+    the route."""
     learned = ("bias", "sinks", "slopes")
     differentiable = {n: jnp.asarray(x) for n, x in options.items() if n in learned}
     fixed = {n: x for n, x in options.items() if n not in differentiable}
@@ -227,56 +229,57 @@ def _per_device_case(mesh, spec, q, k, v, options, kernel="cpu_fused") -> dict:
 
         return f
 
-    def grads(f, *args):
-        return jax.grad(lambda *a: f(*a)[1], argnums=(0, 1, 2, 3))(*args)
+    def both(f, *args):
+        return f(*args)[0], jax.grad(lambda *a: f(*a)[1], argnums=(0, 1, 2, 3))(*args)
 
-    want = call("dense")(q, k, v, differentiable)[0], grads(call("dense"), q, k, v, differentiable)
+    want = jax.tree.leaves(jax.jit(partial(both, call("dense")))(q, k, v, differentiable))
     CHOSEN.clear()
-    with jax.set_mesh(mesh):
-        full = (*spec, *(None,) * (4 - len(spec)))
-        kv_spec = P(*full[:2], full[2] if k.shape[2] > 1 else None)
-        args = [
-            jax.device_put(x, NamedSharding(mesh, s))
-            for x, s in ((q, spec), (k, kv_spec), (v, kv_spec))
-        ]
-        f = call(kernel)
-        got = (
-            jax.jit(f)(*args, differentiable)[0],
-            jax.jit(lambda *a: grads(f, *a))(*args, differentiable),
-        )
-    routes = sorted(set(CHOSEN))
-    CHOSEN.clear()
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    errs = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs]
-    return {"routes": routes, "err": max(errs), "spec": spec_of(got[0][0])}
-
-
-def per_device(mesh, spec) -> dict:
-    """:func:`_per_device_case` for each of :func:`_operand_cases`, GQA (H heads over K)
-    and one key/value head (MQA)."""
-    rng = np.random.default_rng(5)
-    q = rng.normal(size=(B, TS, H, D)).astype(np.float32)
     result = {}
-    for kv_heads in (K, 1):
-        k, v = (rng.normal(size=(B, TS, kv_heads, D)).astype(np.float32) for _ in "kv")
-        cases = _operand_cases(rng) if kv_heads == K else {"plain": {}}
-        for name, options in cases.items():
-            label = name if kv_heads == K else "one key/value head"
-            result[label] = _per_device_case(mesh, spec, q, k, v, options)
+    for name, spec in SPECS.items():
+        with jax.set_mesh(mesh):
+            full = (*spec, *(None,) * (4 - len(spec)))
+            kv_spec = P(*full[:2], full[2] if k.shape[2] > 1 else None)
+            pairs = ((q, spec), (k, kv_spec), (v, kv_spec))
+            args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in pairs]
+            got = jax.jit(partial(both, call(kernel)))(*args, differentiable)
+        pairs = zip(jax.tree.leaves(got), want, strict=True)
+        errs = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs]
+        result[name] = {"routes": sorted(set(CHOSEN)), "err": max(errs), "spec": spec_of(got[0][0])}
+        CHOSEN.clear()
     return result
 
 
-def pallas_per_device(mesh, spec) -> dict:
-    """jattn's Pallas kernel (interpret mode) by name with dropout and ALiBi on sharded
-    operands: :func:`_per_device_case` for each."""
+def per_device(mesh) -> dict:
+    """``{spec name: {case: result}}``: :func:`_per_device_case` for each of
+    :func:`_operand_cases`, GQA (H heads over K) and one key/value head (MQA)."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(B, TS, H, D)).astype(np.float32)
+    result = {name: {} for name in SPECS}
+    for kv_heads in (K, 1):
+        k, v = (rng.normal(size=(B, TS, kv_heads, D)).astype(np.float32) for _ in "kv")
+        cases = _operand_cases(rng) if kv_heads == K else {"plain": {}}
+        for case, options in cases.items():
+            label = case if kv_heads == K else "one key/value head"
+            for name, got in _per_device_case(mesh, q, k, v, options).items():
+                result[name][label] = got
+    return result
+
+
+def pallas_per_device(mesh) -> dict:
+    """``{spec name: {case: result}}``: jattn's Pallas kernel (interpret mode) by name with
+    dropout and ALiBi on sharded operands (:func:`_per_device_case`)."""
     rng = np.random.default_rng(7)
     q, k, v = (rng.normal(size=(B, TS, h, D)).astype(np.float32) for h in (H, K, K))
     cases = {n: o for n, o in _operand_cases(rng).items() if n in ("dropout", "alibi")}
+    result = {name: {} for name in SPECS}
     os.environ["JATTN_PALLAS_INTERPRET"] = "1"
     try:
-        return {n: _per_device_case(mesh, spec, q, k, v, o, "pallas") for n, o in cases.items()}
+        for case, options in cases.items():
+            for name, got in _per_device_case(mesh, q, k, v, options, "pallas").items():
+                result[name][case] = got
     finally:
         del os.environ["JATTN_PALLAS_INTERPRET"]
+    return result
 
 
 def split_groups(mesh) -> str:
@@ -480,12 +483,13 @@ def attention_check(mesh) -> dict:
     result["without_set_mesh"] = without_set_mesh(mesh, arrays, want)
     if BUILT:
         result["shard_map"] = in_shard_map(mesh, arrays, want)
-        for name, spec in SPECS.items():
-            result[name]["per_device"] = per_device(mesh, spec)
+        for name, cases in per_device(mesh).items():
+            result[name]["per_device"] = cases
         result["split_groups"] = split_groups(mesh)
     for name, spec in SPECS.items():
         result[name]["pallas"] = pallas_interpreted(mesh, spec, arrays, want)
-        result[name]["pallas_per_device"] = pallas_per_device(mesh, spec)
+    for name, cases in pallas_per_device(mesh).items():
+        result[name]["pallas_per_device"] = cases
     result["module"] = module_grad(mesh)
     return result
 
