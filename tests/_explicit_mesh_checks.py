@@ -326,19 +326,20 @@ def in_shard_map(mesh, arrays, want) -> dict:
     return summary(out, dq, want)
 
 
-def module_grad(mesh) -> dict:
-    """The NNX module with model_axis (heads over 'b') at T past the kernels' lengths:
-    a jitted gradient equals the unsharded module's."""
+def module_grad(mesh, dropout: float = 0.0) -> dict:
+    """The NNX module with model_axis (heads over 'b') at T past the kernels' lengths, with
+    ``dropout`` (in training, one key): a jitted gradient equals the unsharded module's."""
     x = jax.random.normal(jax.random.key(1), (2, T, 8))
 
     def loss(m, x):
-        return jnp.sum(m(x) ** 2)
+        rngs = nnx.Rngs(dropout=jax.random.key(4))
+        return jnp.sum(m(x, deterministic=not dropout, rngs=rngs) ** 2)
 
-    plain = jn.MultiHeadAttention(8, 8, T, 0.0, 2, rngs=nnx.Rngs(0))
+    plain = jn.MultiHeadAttention(8, 8, T, dropout, 2, rngs=nnx.Rngs(0))
     want = nnx.grad(loss)(plain, x)
     CHOSEN.clear()
     with jax.set_mesh(mesh):
-        module = jn.MultiHeadAttention(8, 8, T, 0.0, 2, model_axis="b", rngs=nnx.Rngs(0))
+        module = jn.MultiHeadAttention(8, 8, T, dropout, 2, model_axis="b", rngs=nnx.Rngs(0))
         got = nnx.jit(nnx.grad(loss))(module, jax.device_put(x, NamedSharding(mesh, P())))
     pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
     return {  # relative to each gradient's largest entry
@@ -491,6 +492,7 @@ def attention_check(mesh) -> dict:
     for name, cases in pallas_per_device(mesh).items():
         result[name]["pallas_per_device"] = cases
     result["module"] = module_grad(mesh)
+    result["module_dropout"] = module_grad(mesh, dropout=0.2)
     return result
 
 

@@ -701,8 +701,10 @@ def test_the_kernel_runs_inside_shard_map_on_an_explicit_mesh(explicit):
     assert got["spec"] == got["grad_spec"] == SHARDED_SPECS["batch"]
 
 
-def test_tensor_parallel_module_gradient_on_an_explicit_mesh(explicit):
-    """The NNX module, heads over 'b' (model_axis), T = 256: its jitted gradient equals the
-    unsharded module's (it failed jax's type check through the kernel)."""
-    assert explicit["module"]["routes"] == ["cpu_fused" if explicit["built"] else "blockwise"]
-    assert explicit["module"]["err"] < 1e-5, explicit["module"]
+@pytest.mark.parametrize("case", ["module", "module_dropout"])
+def test_tensor_parallel_module_gradient_on_an_explicit_mesh(explicit, case):
+    """The NNX module, heads over 'b' (model_axis), T = 256, also training with dropout:
+    its jitted gradient equals the unsharded module's (it failed jax's type check through
+    the kernel; with dropout the kernel now drops what the unsharded module drops)."""
+    assert explicit[case]["routes"] == ["cpu_fused" if explicit["built"] else "blockwise"]
+    assert explicit[case]["err"] < 1e-5, explicit[case]
