@@ -8,9 +8,9 @@ its own rows and heads, as the unsharded call does for them, and nothing moves b
 devices. Dropout's mask is keyed by the global batch and head indices, so each device
 is given its rows' numbers in the whole call (``Operands.dropout_rows``), and ALiBi's
 slopes are split with the heads. :func:`obstacle` says when a device's share is not the
-same call: any other modifier or a block mask (they see the global indices, a device its
-own from 0), a query sharded along its tokens or features, grouped heads split across a
-group. The router then takes a path that partitions itself (blockwise, dense) or names
+same call: a modifier that reads its batch or head index or a block mask with tiles per
+batch row or head (a device would see its own indices, from 0), a query sharded along
+its tokens or features, grouped heads split across a group. The router then takes a path that partitions itself (blockwise, dense) or names
 the reason.
 """
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jattn import _prng, mods
+from jattn import _prng, blockwise, mods
 from jattn._call import Operands, Settings
 from jattn._util import axis_specs, sharded_axes
 
@@ -61,15 +61,40 @@ def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None
     devices, kv_heads = _devices(spec[-2], _mesh(query)), key.shape[-2]
     if kv_heads % devices and kv_heads != 1:
         return f"{kv_heads} key/value heads cannot follow the query heads over {devices} devices"
-    if not isinstance(settings.score_mod, (type(None), mods.Alibi, mods.SoftCap)):
+    return _modifier_obstacle(ops, settings)
+
+
+def _modifier_obstacle(ops: Operands, settings: Settings) -> str | None:
+    """Why a modifier would differ on a device's share: it reads the batch or head index
+    (ALiBi's slopes aside: they are split with the heads), or a block mask holds tiles per
+    batch row or head."""
+    score, mask = settings.score_mod, settings.mask_mod
+    if not isinstance(score, (type(None), mods.Alibi)):
+        reason = _modifier_reason(score, "score_mod")
+        if reason is not None:
+            return reason
+    if mask is not None:
+        reason = _modifier_reason(mask, "mask_mod")
+        if reason is not None:
+            return reason
+    if ops.block_mask is not None and ops.block_mask.state.shape[:2] != (1, 1):
         return (
-            "a score_mod (other than a bare ALiBi or soft-cap) sees the global batch and "
-            "head indices"
+            "the block mask holds tiles per batch row or head (build it without batch_shape "
+            "and num_heads when its mask_mod reads neither)"
         )
-    if settings.mask_mod is not None:
-        return "a mask_mod sees the global batch and head indices"
-    if ops.block_mask is not None:
-        return "a block mask's tiles hold the global batch and heads"
+    return None
+
+
+def _modifier_reason(fn, kind: str) -> str | None:
+    """Why modifier ``fn`` would differ on a device's share or cannot go there (traced once,
+    at one element): it reads its batch or head index, or closes over traced arrays."""
+    one = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32)
+    scores = [jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)] if kind == "score_mod" else []
+    hoisted, consts = blockwise.hoist(fn, *scores, one, one, one, one)
+    if hoisted.uses(len(scores)) or hoisted.uses(len(scores) + 1):
+        return f"a {kind} that reads its batch or head index would see a device's own"
+    if any(isinstance(c, jax.core.Tracer) for c in consts):
+        return f"a {kind} closes over arrays traced by the enclosing transformation"
     return None
 
 
@@ -91,6 +116,10 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
         if "slopes" in given:  # ALiBi with this device's heads' slopes
             alibi = dataclasses.replace(settings.score_mod, slopes=given.pop("slopes"))
             own = dataclasses.replace(settings, score_mod=alibi)
+        if "block_state" in given:
+            given["block_mask"] = dataclasses.replace(
+                ops.block_mask, state=given.pop("block_state")
+            )
         if "q_segments" in given and "kv_segments" not in given:
             given["kv_segments"] = given["q_segments"]  # one id array for both
         return run_kernel(q, k, v, ops._replace(**given), own, extras)
@@ -112,7 +141,8 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
 
 def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tuple[dict, dict]:
     """``(arrays, specs)``: every array the kernel reads, by :class:`Operands` field name
-    (and query, key, value, ALiBi's ``slopes``), and how each is split over the devices."""
+    (and query, key, value, ALiBi's ``slopes``, the block mask's ``block_state``), and how
+    each is split over the devices: jax.shard_map cannot close over them."""
     kv_heads = heads if key.shape[-2] % _devices(heads, mesh) == 0 else None
     specs = {
         "query": (*batch, None, heads, None),
@@ -135,6 +165,8 @@ def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tupl
             arrays["dropout_rate"], specs["dropout_rate"] = ops.dropout_rate, ()
     if isinstance(settings.score_mod, mods.Alibi):
         arrays["slopes"], specs["slopes"] = settings.score_mod.slopes, (heads,)
+    if ops.block_mask is not None:  # one state for every device (obstacle: [1, 1, ...])
+        arrays["block_state"], specs["block_state"] = ops.block_mask.state, ()
     return arrays, specs
 
 

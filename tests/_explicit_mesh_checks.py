@@ -9,6 +9,7 @@ and the NNX module's KV cache against the unsharded ones); prints one JSON objec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -89,10 +90,27 @@ OPTIONS = {
 }
 
 
+# Modifiers that read no batch or head index: a window (cpu_fused reads its block mask) and
+# two that jattn's Pallas kernel traces in
+WINDOW = jattn.mods.sliding_window(40)
+PALLAS_MODS = {
+    "score_mod": dict(score_mod=lambda s, b, h, q, kv: s - 0.02 * jnp.abs(q - kv).astype(s.dtype)),
+    "mask_mod": dict(mask_mod=lambda b, h, q, kv: (kv < 16) | ((q - kv) % 3 != 1)),
+}
+
+
+def per_row_tiles(bm):
+    """``bm`` with its tile states repeated for each of the B batch rows."""
+    state = jnp.broadcast_to(bm.state, (B, *bm.state.shape[1:]))
+    return dataclasses.replace(bm, state=state)
+
+
 # Modifiers a kernel cannot take per device: they see the global batch and head indices.
 REFUSED = {
     "score_mod": dict(score_mod=lambda s, b, h, q, kv: s + 0.1 * h),
     "mask_mod": dict(mask_mod=lambda b, h, q, kv: (q + h) % 3 != 0),
+    # tiles per batch row (built by hand), though its mask_mod reads no batch index
+    "block_mask": dict(block_mask=per_row_tiles(jattn.block_mask(WINDOW, q_len=T))),
 }
 
 
@@ -204,6 +222,8 @@ def _operand_cases(rng) -> dict:
         ),
         "alibi": dict(slopes=np.asarray(jattn.mods.alibi_slopes(H))),
         "softcap": dict(score_mod=jattn.mods.softcap(2.0)),
+        # tiles of a mask_mod that reads no batch or head index: one state for every device
+        "block mask": dict(block_mask=jattn.block_mask(WINDOW, q_len=ts, block_q=32, block_k=32)),
     }
 
 
@@ -267,10 +287,11 @@ def per_device(mesh) -> dict:
 
 def pallas_per_device(mesh) -> dict:
     """``{spec name: {case: result}}``: jattn's Pallas kernel (interpret mode) by name with
-    dropout and ALiBi on sharded operands (:func:`_per_device_case`)."""
+    dropout, ALiBi and modifiers of its own on sharded operands (:func:`_per_device_case`)."""
     rng = np.random.default_rng(7)
     q, k, v = (rng.normal(size=(B, TS, h, D)).astype(np.float32) for h in (H, K, K))
     cases = {n: o for n, o in _operand_cases(rng).items() if n in ("dropout", "alibi")}
+    cases.update(PALLAS_MODS)
     result = {name: {} for name in SPECS}
     os.environ["JATTN_PALLAS_INTERPRET"] = "1"
     try:
@@ -279,6 +300,49 @@ def pallas_per_device(mesh) -> dict:
                 result[name][case] = got
     finally:
         del os.environ["JATTN_PALLAS_INTERPRET"]
+    return result
+
+
+def traced_block_masks(mesh) -> dict:
+    """Block masks built under jax.jit (their states traced), batch-sharded, against the
+    unsharded dense call: cpu_fused by name on each device's share; inside a jax.shard_map
+    of the user's (which raised an internal jax error rebuilding the state on the host);
+    and a mask_mod closing over a traced array, which jax.shard_map cannot close over: the
+    automatic rule takes another path, and the kernel by name says why."""
+    q = np.random.default_rng(8).normal(size=(B, TS, H, D)).astype(np.float32)
+    keep = jnp.arange(TS) % 5 != 0
+
+    @partial(jax.jit, static_argnums=(2, 3))
+    def f(q, keep, implementation, closure):
+        mod = (lambda b, h, qi, kv: keep[kv] & (kv <= qi)) if closure else WINDOW
+        bm = jattn.block_mask(mod, q_len=TS, block_q=32, block_k=32)
+        return jattn.dot_product_attention(q, q, q, block_mask=bm, implementation=implementation)
+
+    want = {closure: f(q, keep, "dense", closure) for closure in (False, True)}
+    CHOSEN.clear()
+    result = {}
+    with jax.set_mesh(mesh):
+        qs = jax.device_put(q, NamedSharding(mesh, P("b")))
+        inner = jax.shard_map(
+            lambda q: f(q, keep, "cpu_fused", False), in_specs=P("b"), out_specs=P("b")
+        )
+        for name, call, closure in (
+            ("cpu_fused", lambda: f(qs, keep, "cpu_fused", False), False),
+            ("shard_map", lambda: jax.jit(inner)(qs), False),
+            ("closure", lambda: f(qs, keep, None, True), True),
+        ):
+            got = call()
+            result[name] = {
+                "err": float(jnp.max(jnp.abs(got - want[closure]))),
+                "routes": sorted(set(CHOSEN)),
+            }
+            CHOSEN.clear()
+        try:
+            f(qs, keep, "cpu_fused", True)
+            result["closure_refused"] = ""
+        except ValueError as e:
+            result["closure_refused"] = str(e)
+    CHOSEN.clear()
     return result
 
 
@@ -478,6 +542,7 @@ def attention_check(mesh) -> dict:
             "options": with_options(mesh, spec, arrays),
             "refused": refused(mesh, spec, arrays, "cpu_fused", **REFUSED["score_mod"]),
             "refused_mask_mod": refused(mesh, spec, arrays, "pallas", **REFUSED["mask_mod"]),
+            "refused_block_mask": refused(mesh, spec, arrays, "cpu_fused", **REFUSED["block_mask"]),
             # an automatic mesh: no sharding in the types, the kernel is taken (XLA gathers)
             "auto_mesh": summary(*run(attend(None), auto_mesh, spec, arrays), want),
         }
@@ -487,6 +552,7 @@ def attention_check(mesh) -> dict:
         for name, cases in per_device(mesh).items():
             result[name]["per_device"] = cases
         result["split_groups"] = split_groups(mesh)
+        result["traced_block_masks"] = traced_block_masks(mesh)
     for name, spec in SPECS.items():
         result[name]["pallas"] = pallas_interpreted(mesh, spec, arrays, want)
     for name, cases in pallas_per_device(mesh).items():

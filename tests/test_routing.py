@@ -620,6 +620,7 @@ PER_DEVICE_CASES = [
     "dropout shared by the rows",
     "alibi",
     "softcap",
+    "block mask",
     "one key/value head",
 ]
 
@@ -634,7 +635,8 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     ALiBi's slopes; a shared operand's summed over the devices) equal the unsharded dense
     call's. Dropout (its mask keyed by the global batch and head indices, also shared by
     the heads or the rows) drops what the unsharded call drops with the same key: each
-    device is given its rows' numbers in the whole call; ALiBi's slopes go with the heads."""
+    device is given its rows' numbers in the whole call; ALiBi's slopes go with the heads;
+    a block mask whose mask_mod reads no batch or head index is one state for all."""
     if not explicit["built"]:
         pytest.skip("the fused CPU kernel is not built")
     got = explicit[sharded]["per_device"][case]
@@ -643,28 +645,57 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     assert got["spec"] == SHARDED_SPECS[sharded]
 
 
-@pytest.mark.parametrize("case", ["dropout", "alibi"])
+@pytest.mark.parametrize("case", ["dropout", "alibi", "score_mod", "mask_mod"])
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-def test_the_pallas_kernel_runs_per_device_with_dropout_and_alibi(explicit, sharded, case):
+def test_the_pallas_kernel_runs_per_device_with_dropout_and_modifiers(explicit, sharded, case):
     """jattn's Pallas kernel (interpret mode) by name, batch- or head-sharded: the same
-    dropout mask and ALiBi slopes as the unsharded dense call, output and gradients."""
+    dropout mask and ALiBi slopes as the unsharded dense call, and a score_mod and a
+    mask_mod of the user's that read no batch or head index; output and gradients."""
     got = explicit[sharded]["pallas_per_device"][case]
     assert got["routes"] == ["pallas"]
     assert got["err"] < 1e-5, got
     assert got["spec"] == SHARDED_SPECS[sharded]
 
 
-@pytest.mark.parametrize("option", ["", "_mask_mod"])
+REFUSALS = {  # the case's key suffix: (kernel named, the reason given)
+    "": ("cpu_fused", "a score_mod that reads its batch or head index would see a device's own"),
+    "_mask_mod": ("pallas", "a mask_mod that reads its batch or head index would see a device's"),
+    "_block_mask": ("cpu_fused", "the block mask holds tiles per batch row or head"),
+}
+
+
+@pytest.mark.parametrize("option", list(REFUSALS))
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
 def test_the_kernel_refuses_sharded_calls_keyed_by_global_indices(explicit, sharded, option):
-    """A score_mod or mask_mod of the user's sees the global batch and head indices, which a
-    device running its own share would not: the kernel by name refuses, saying why."""
+    """A score_mod or mask_mod of the user's that reads its batch or head index, or a block
+    mask with tiles per batch row, would see a device's own indices, not the global ones:
+    the kernel by name refuses, saying why."""
     message = explicit[sharded][f"refused{option}"]
-    kernel = "pallas" if option else "cpu_fused"
+    kernel, reason = REFUSALS[option]
     assert message.startswith(f"implementation='{kernel}' cannot be used here")
     assert "sharded over mesh axes ('b',)" in message and "jax.shard_map" in message
-    reason = "a mask_mod sees" if option else "a score_mod (other than a bare ALiBi or soft-cap)"
     assert reason in message and "'blockwise' or 'dense'" in message
+
+
+@pytest.mark.parametrize("case", ["cpu_fused", "shard_map"])
+def test_block_masks_built_under_jit_run_per_device(explicit, case):
+    """A block mask built under jax.jit (a traced state), batch-sharded: cpu_fused by name
+    runs on each device's share; and inside a jax.shard_map of the user's on a mesh of
+    explicit axes, where rebuilding the state on the host raised an internal jax error."""
+    if not explicit["built"]:
+        pytest.skip("the fused CPU kernel is not built")
+    got = explicit["traced_block_masks"][case]
+    assert got["routes"] == ["cpu_fused"] and got["err"] < 1e-5, got
+
+
+def test_a_modifier_closing_over_traced_arrays_is_not_taken_per_device(explicit):
+    """jax.shard_map cannot close over arrays sharded on explicit axes: the automatic rule
+    takes another path, with the right answer, and the kernel by name says why."""
+    if not explicit["built"]:
+        pytest.skip("the fused CPU kernel is not built")
+    got = explicit["traced_block_masks"]
+    assert "cpu_fused" not in got["closure"]["routes"] and got["closure"]["err"] < 1e-5
+    assert "a mask_mod closes over arrays traced by the enclosing" in got["closure_refused"]
 
 
 def test_the_kernel_refuses_key_value_heads_split_across_a_group(explicit):

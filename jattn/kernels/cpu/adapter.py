@@ -180,8 +180,11 @@ def _block_tiles(batch, tq: int, tk: int, block_mask, mask_mod):
 
 def _host_state(bm, mask_mod, lead: tuple[int, int]) -> np.ndarray | None:
     """A traced block mask's state built again on the host from ``mask_mod`` (the states
-    it was built from), or None when ``mask_mod`` needs traced values."""
+    it was built from), or None when ``mask_mod`` needs traced values, or inside
+    ``jax.shard_map`` (jax cannot evaluate ops eagerly there on a mesh of explicit axes)."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask_mod)):
+        return None
+    if jax.sharding.get_abstract_mesh().manual_axes:
         return None
     try:
         with jax.ensure_compile_time_eval():
