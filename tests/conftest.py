@@ -66,7 +66,10 @@ def _slow_entries() -> set[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
 def pytest_collection_modifyitems(config, items):
-    """Marks the listed cases slow; an entry naming a function its file lacks is an error."""
+    """Marks the listed cases slow; an entry naming a function its file lacks is an error,
+    and so is one naming a case its function lacks when whole files were collected (a case
+    renamed, or a docs block moved by an edit above it, silently put it back in the
+    default run)."""
     entries = _slow_entries()
     modules = {}
     for item in items:
@@ -74,10 +77,16 @@ def pytest_collection_modifyitems(config, items):
         modules.setdefault(path, item.module)
         if item.nodeid in entries or f"{path}::{name.split('[')[0]}" in entries:
             item.add_marker(pytest.mark.slow)
+    whole_files = not any("::" in str(arg) for arg in config.args)
+    collected = {item.nodeid for item in items}
     stale = []
     for entry in entries:
         path, _, name = entry.partition("::")
-        if path in modules and not hasattr(modules[path], name.split("[")[0]):
+        if path not in modules:
+            continue
+        if not hasattr(modules[path], name.split("[")[0]) or (
+            whole_files and "[" in name and entry not in collected
+        ):
             stale.append(entry)
     if stale:
         raise pytest.UsageError(f"{SLOW_CASES.name} names tests that do not exist: {sorted(stale)}")
