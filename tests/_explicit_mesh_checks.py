@@ -2,7 +2,9 @@
 
 Run as ``python _explicit_mesh_checks.py SECTION`` (2 fake CPU devices, a ``('b',)`` mesh)
 by tests/test_routing.py (``attention``: the automatic rule, against a float64 numpy
-reference computed on the whole arrays) and tests/test_models.py (``models``: the three
+reference computed on the whole arrays, and the kernels by name on each device's share;
+``pallas_per_device``: jattn's Pallas kernel in interpret mode with dropout and modifiers,
+about 16 s, for the slow leg) and tests/test_models.py (``models``: the three
 models' forward and gradient against the unsharded model; ``decoding``: their generation
 and the NNX module's KV cache against the unsharded ones); prints one JSON object.
 """
@@ -555,8 +557,6 @@ def attention_check(mesh) -> dict:
         result["traced_block_masks"] = traced_block_masks(mesh)
     for name, spec in SPECS.items():
         result[name]["pallas"] = pallas_interpreted(mesh, spec, arrays, want)
-    for name, cases in pallas_per_device(mesh).items():
-        result[name]["pallas_per_device"] = cases
     result["module"] = module_grad(mesh)
     result["module_dropout"] = module_grad(mesh, dropout=0.2)
     return result
@@ -564,7 +564,12 @@ def attention_check(mesh) -> dict:
 
 def main() -> None:
     mesh = jax.make_mesh((2,), ("b",))
-    sections = {"attention": attention_check, "models": models_check, "decoding": decoding_check}
+    sections = {
+        "attention": attention_check,
+        "pallas_per_device": pallas_per_device,
+        "models": models_check,
+        "decoding": decoding_check,
+    }
     check = sections[sys.argv[1]]
     print(json.dumps(check(mesh)))
 

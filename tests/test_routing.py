@@ -645,13 +645,22 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     assert got["spec"] == SHARDED_SPECS[sharded]
 
 
+@pytest.fixture(scope="module")
+def pallas_per_device() -> dict:
+    """tests/_explicit_mesh_checks.py's Pallas per-device cases (interpret mode, ~16 s)."""
+    return run_checks(EXPLICIT_CHECKS, "pallas_per_device")
+
+
+@pytest.mark.slow  # jattn's Pallas kernel interpreted on 2 devices (about 16 s of CPU)
 @pytest.mark.parametrize("case", ["dropout", "alibi", "score_mod", "mask_mod"])
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-def test_the_pallas_kernel_runs_per_device_with_dropout_and_modifiers(explicit, sharded, case):
+def test_the_pallas_kernel_runs_per_device_with_dropout_and_modifiers(
+    pallas_per_device, sharded, case
+):
     """jattn's Pallas kernel (interpret mode) by name, batch- or head-sharded: the same
     dropout mask and ALiBi slopes as the unsharded dense call, and a score_mod and a
     mask_mod of the user's that read no batch or head index; output and gradients."""
-    got = explicit[sharded]["pallas_per_device"][case]
+    got = pallas_per_device[sharded][case]
     assert got["routes"] == ["pallas"]
     assert got["err"] < 1e-5, got
     assert got["spec"] == SHARDED_SPECS[sharded]
