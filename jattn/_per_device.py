@@ -10,8 +10,8 @@ is given its rows' numbers in the whole call (``Operands.dropout_rows``), and AL
 slopes are split with the heads. :func:`obstacle` says when a device's share is not the
 same call: a modifier that reads its batch or head index or a block mask with tiles per
 batch row or head (a device would see its own indices, from 0), a query sharded along
-its tokens or features, grouped heads split across a group. The router then takes a path that partitions itself (blockwise, dense) or names
-the reason.
+its tokens or features, grouped heads split across a group. The router then takes a
+path that partitions itself (blockwise, dense) or names the reason.
 """
 
 from __future__ import annotations
@@ -87,14 +87,15 @@ def _modifier_obstacle(ops: Operands, settings: Settings) -> str | None:
 
 def _modifier_reason(fn, kind: str) -> str | None:
     """Why modifier ``fn`` would differ on a device's share or cannot go there (traced once,
-    at one element): it reads its batch or head index, or closes over traced arrays."""
+    at one element): it reads its batch or head index, or closes over arrays (traced ones,
+    or ones placed on the mesh: jax.shard_map cannot close over either)."""
     one = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32)
     scores = [jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)] if kind == "score_mod" else []
     hoisted, consts = blockwise.hoist(fn, *scores, one, one, one, one)
     if hoisted.uses(len(scores)) or hoisted.uses(len(scores) + 1):
         return f"a {kind} that reads its batch or head index would see a device's own"
-    if any(isinstance(c, jax.core.Tracer) for c in consts):
-        return f"a {kind} closes over arrays traced by the enclosing transformation"
+    if consts:
+        return f"a {kind} closes over arrays (pass them as segment ids, lengths or a bias)"
     return None
 
 

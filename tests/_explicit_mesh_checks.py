@@ -309,18 +309,23 @@ def traced_block_masks(mesh) -> dict:
     """Block masks built under jax.jit (their states traced), batch-sharded, against the
     unsharded dense call: cpu_fused by name on each device's share; inside a jax.shard_map
     of the user's (which raised an internal jax error rebuilding the state on the host);
-    and a mask_mod closing over a traced array, which jax.shard_map cannot close over: the
-    automatic rule takes another path, and the kernel by name says why."""
+    and a mask_mod closing over a traced array, or over one placed on the mesh, which
+    jax.shard_map cannot close over: the automatic rule takes another path, and the kernel
+    by name says why."""
     q = np.random.default_rng(8).normal(size=(B, TS, H, D)).astype(np.float32)
     keep = jnp.arange(TS) % 5 != 0
+    placed = jax.device_put(keep, NamedSharding(mesh, P()))  # on the mesh, replicated
 
     @partial(jax.jit, static_argnums=(2, 3))
     def f(q, keep, implementation, closure):
+        if closure == "placed":  # a concrete array of the mesh, closed over
+            keep = placed
         mod = (lambda b, h, qi, kv: keep[kv] & (kv <= qi)) if closure else WINDOW
         bm = jattn.block_mask(mod, q_len=TS, block_q=32, block_k=32)
         return jattn.dot_product_attention(q, q, q, block_mask=bm, implementation=implementation)
 
     want = {closure: f(q, keep, "dense", closure) for closure in (False, True)}
+    want["placed"] = want[True]
     CHOSEN.clear()
     result = {}
     with jax.set_mesh(mesh):
@@ -332,6 +337,7 @@ def traced_block_masks(mesh) -> dict:
             ("cpu_fused", lambda: f(qs, keep, "cpu_fused", False), False),
             ("shard_map", lambda: jax.jit(inner)(qs), False),
             ("closure", lambda: f(qs, keep, None, True), True),
+            ("placed", lambda: f(qs, keep, None, "placed"), "placed"),
         ):
             got = call()
             result[name] = {

@@ -698,13 +698,15 @@ def test_block_masks_built_under_jit_run_per_device(explicit, case):
 
 
 def test_a_modifier_closing_over_traced_arrays_is_not_taken_per_device(explicit):
-    """jax.shard_map cannot close over arrays sharded on explicit axes: the automatic rule
+    """jax.shard_map cannot close over arrays traced by the enclosing jit or placed on a
+    mesh of explicit axes (the automatic rule raised on the latter): the automatic rule
     takes another path, with the right answer, and the kernel by name says why."""
     if not explicit["built"]:
         pytest.skip("the fused CPU kernel is not built")
     got = explicit["traced_block_masks"]
-    assert "cpu_fused" not in got["closure"]["routes"] and got["closure"]["err"] < 1e-5
-    assert "a mask_mod closes over arrays traced by the enclosing" in got["closure_refused"]
+    for case in ("closure", "placed"):  # a traced array; a concrete one placed on the mesh
+        assert "cpu_fused" not in got[case]["routes"] and got[case]["err"] < 1e-5, got[case]
+    assert "a mask_mod closes over arrays (pass them as segment ids" in got["closure_refused"]
 
 
 def test_the_kernel_refuses_key_value_heads_split_across_a_group(explicit):
