@@ -68,13 +68,8 @@ def _modifier_obstacle(ops: Operands, settings: Settings) -> str | None:
     """Why a modifier would differ on a device's share: it reads the batch or head index
     (ALiBi's slopes aside: they are split with the heads), or a block mask holds tiles per
     batch row or head."""
-    score, mask = settings.score_mod, settings.mask_mod
-    if not isinstance(score, (type(None), mods.Alibi)):
-        reason = _modifier_reason(score, "score_mod")
-        if reason is not None:
-            return reason
-    if mask is not None:
-        reason = _modifier_reason(mask, "mask_mod")
+    for fn, kind in ((settings.score_mod, "score_mod"), (settings.mask_mod, "mask_mod")):
+        reason = None if fn is None or isinstance(fn, mods.Alibi) else _modifier_reason(fn, kind)
         if reason is not None:
             return reason
     if ops.block_mask is not None and ops.block_mask.state.shape[:2] != (1, 1):
@@ -158,8 +153,9 @@ def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tupl
             specs[name] = _operand_spec(name, x, query, batch, heads)
     if ops.dropout_rng is not None:  # the whole call's mask rows, the key and rate as given
         *lead, tq, h, _ = query.shape
-        starts = _prng.row_starts(math.prod(lead), h, tq, settings.dropout_shared)
-        arrays["dropout_rows"] = jnp.broadcast_to(starts, (math.prod(lead), h)).reshape(*lead, h)
+        n = math.prod(lead)
+        starts = _prng.row_starts(n, h, tq, settings.dropout_shared)
+        arrays["dropout_rows"] = jnp.broadcast_to(starts, (n, h)).reshape(*lead, h)
         specs["dropout_rows"] = (*batch, heads)
         arrays["dropout_rng"], specs["dropout_rng"] = ops.dropout_rng, ()
         if isinstance(ops.dropout_rate, jax.Array):

@@ -276,14 +276,19 @@ def per_device(mesh) -> dict:
     :func:`_operand_cases`, GQA (H heads over K) and one key/value head (MQA)."""
     rng = np.random.default_rng(5)
     q = rng.normal(size=(B, TS, H, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, TS, K, D)).astype(np.float32) for _ in "kv")
+    result = _by_spec(mesh, q, k, v, _operand_cases(rng), "cpu_fused")
+    k, v = (rng.normal(size=(B, TS, 1, D)).astype(np.float32) for _ in "kv")
+    one = _by_spec(mesh, q, k, v, {"one key/value head": {}}, "cpu_fused")
+    return {name: {**result[name], **one[name]} for name in SPECS}
+
+
+def _by_spec(mesh, q, k, v, cases: dict, kernel: str) -> dict:
+    """``{spec name: {case: result}}`` of :func:`_per_device_case` for each of ``cases``."""
     result = {name: {} for name in SPECS}
-    for kv_heads in (K, 1):
-        k, v = (rng.normal(size=(B, TS, kv_heads, D)).astype(np.float32) for _ in "kv")
-        cases = _operand_cases(rng) if kv_heads == K else {"plain": {}}
-        for case, options in cases.items():
-            label = case if kv_heads == K else "one key/value head"
-            for name, got in _per_device_case(mesh, q, k, v, options).items():
-                result[name][label] = got
+    for case, options in cases.items():
+        for name, got in _per_device_case(mesh, q, k, v, options, kernel).items():
+            result[name][case] = got
     return result
 
 
@@ -294,15 +299,11 @@ def pallas_per_device(mesh) -> dict:
     q, k, v = (rng.normal(size=(B, TS, h, D)).astype(np.float32) for h in (H, K, K))
     cases = {n: o for n, o in _operand_cases(rng).items() if n in ("dropout", "alibi")}
     cases.update(PALLAS_MODS)
-    result = {name: {} for name in SPECS}
     os.environ["JATTN_PALLAS_INTERPRET"] = "1"
     try:
-        for case, options in cases.items():
-            for name, got in _per_device_case(mesh, q, k, v, options, "pallas").items():
-                result[name][case] = got
+        return _by_spec(mesh, q, k, v, cases, "pallas")
     finally:
         del os.environ["JATTN_PALLAS_INTERPRET"]
-    return result
 
 
 def traced_block_masks(mesh) -> dict:
