@@ -194,6 +194,8 @@ def _blockwise_obstacle(query, key, value, ops: Operands, settings, extras: Dens
         return needed
     if not isinstance(ops.scale, numbers.Real):
         return f"scale must be a Python number for it, got {type(ops.scale).__name__}"
+    if _util.sharded_axes(query, key, value, ops):
+        return blockwise.explicit_closure(settings)
     return None
 
 

@@ -543,7 +543,14 @@ def _batch_rows(x: Array, batch_size: int, what: str) -> None:
 
 def _at(ids: Array, b: Array, pos: Array) -> Array:
     """``ids[b, pos]`` for per-sequence rows ``[N, T]``, ``ids[0, pos]`` for one shared row."""
-    return ids[0][pos] if ids.shape[0] == 1 else ids[b, pos]
+    return ids[0][pos] if ids.shape[0] == 1 else _readable(ids)[b, pos]
+
+
+def _readable(rows: Array) -> Array:
+    """Per-sequence ``rows`` replicated when their type shards them over a mesh's explicit
+    axes: jax cannot type a gather of rows split over devices by the full batch's indices
+    (it raises ShardingTypeError); the rows are small (lengths, segment ids)."""
+    return jax.sharding.reshard(rows, jax.P()) if _util.sharded_axes(rows) else rows
 
 
 @jax.tree_util.register_dataclass
@@ -555,7 +562,7 @@ class PrefixLM(MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         p = self.prefix_lengths
-        prefix = p.reshape(1, 1, 1, 1) if p.shape[0] == 1 else p[b]  # [N|1, 1, 1, 1]
+        prefix = p.reshape(1, 1, 1, 1) if p.shape[0] == 1 else _readable(p)[b]  # [N|1, 1, 1, 1]
         return (kv_idx <= q_idx) | (kv_idx < prefix)
 
     def check_shapes(self, *, batch_size, num_heads, q_len, kv_len):

@@ -569,11 +569,86 @@ def attention_check(mesh) -> dict:
     return result
 
 
+def placed_modifiers(mesh) -> dict:
+    """Modifiers reading arrays placed on the mesh, batch-sharded queries at T (blockwise's
+    lengths), against the unsharded dense call on the same arrays unplaced: the largest
+    error relative to the largest value, of the output and the gradients (q; the slopes). jattn.mods' modifiers pass their arrays into
+    blockwise's loops (the mesh's axes made automatic there), which raised on them before;
+    a document mask or prefix of per-row arrays sharded over the batch replicates them to
+    read any row (jax raised ShardingTypeError); a lambda closing over a placed array goes to
+    dense, and blockwise by name says why."""
+    rng = np.random.default_rng(9)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    slopes = jattn.mods.alibi_slopes(H)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(B, T)), axis=1), jnp.int32)
+    prefix = jnp.asarray([3, 40, 0, 100], jnp.int32)
+    keep = jnp.arange(T) % 5 != 0
+
+    def options(case, slopes, ids, prefix, keep):
+        return {
+            "alibi": dict(score_mod=jattn.mods.alibi(slopes), is_causal=True),
+            "composed": dict(
+                score_mod=jattn.mods.compose(jattn.mods.alibi(slopes), jattn.mods.softcap(4.0)),
+                is_causal=True,
+            ),
+            "document": dict(
+                mask_mod=jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(ids))
+            ),
+            "prefix": dict(mask_mod=jattn.mods.prefix_lm(prefix)),
+            "closure": dict(mask_mod=lambda b, h, qi, kv: keep[kv] & (kv <= qi)),
+        }[case]
+
+    @partial(jax.jit, static_argnums=(0, 1))
+    def grads(case, implementation, q, *arrays):
+        def loss(q, slopes):
+            out = jattn.dot_product_attention(
+                q, q, q, implementation=implementation,
+                **options(case, slopes, *arrays[1:]),
+            )  # fmt: skip
+            return jnp.sum(out**2), out
+
+        (_, out), grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(q, arrays[0])
+        return out, grad
+
+    unplaced = (q, slopes, ids, prefix, keep)
+
+    def on_mesh():  # q and the per-row arrays over the batch; slopes and keep replicated
+        specs = (P("b"), P(), P("b"), P("b"), P())
+        return [
+            jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(unplaced, specs, strict=True)
+        ]
+
+    result = {}
+    for case, implementation in (("alibi", "blockwise"), ("composed", None),
+                                 ("document", None), ("document", "blockwise"),
+                                 ("prefix", "blockwise"), ("closure", None)):  # fmt: skip
+        want = grads(case, "dense", *unplaced)
+        CHOSEN.clear()
+        with jax.set_mesh(mesh):
+            got = grads(case, implementation, *on_mesh())
+        errs = [
+            float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+        ]
+        result[f"{case} {implementation or 'auto'}"] = {
+            "routes": sorted(set(CHOSEN)), "err": max(errs), "spec": spec_of(got[0]),
+        }  # fmt: skip
+    with jax.set_mesh(mesh):
+        try:
+            grads("closure", "blockwise", *on_mesh())
+            result["closure refused"] = ""
+        except ValueError as e:
+            result["closure refused"] = str(e)
+    CHOSEN.clear()
+    return result
+
+
 def main() -> None:
     mesh = jax.make_mesh((2,), ("b",))
     sections = {
         "attention": attention_check,
         "pallas_per_device": pallas_per_device,
+        "placed_modifiers": placed_modifiers,
         "models": models_check,
         "decoding": decoding_check,
     }

@@ -709,6 +709,40 @@ def test_a_modifier_closing_over_traced_arrays_is_not_taken_per_device(explicit)
     assert "a mask_mod closes over arrays (pass them as segment ids" in got["closure_refused"]
 
 
+@pytest.fixture(scope="module")
+def placed_modifiers() -> dict:
+    """tests/_explicit_mesh_checks.py's modifiers reading arrays placed on the mesh (~20 s)."""
+    return run_checks(EXPLICIT_CHECKS, "placed_modifiers")
+
+
+@pytest.mark.slow  # a process of its own: blockwise compiled on 2 devices, forward and gradient
+@pytest.mark.parametrize(
+    "case, route",
+    [
+        ("alibi blockwise", "blockwise"),
+        ("composed auto", None),
+        ("document auto", None),
+        ("document blockwise", "blockwise"),
+        ("prefix blockwise", "blockwise"),
+        ("closure auto", "dense"),
+    ],
+)
+def test_modifiers_reading_arrays_placed_on_the_mesh(placed_modifiers, case, route):
+    """Batch-sharded queries at blockwise's lengths with jattn.mods' modifiers whose arrays
+    are placed on the mesh (ALiBi's slopes replicated; segment ids and prefix lengths over
+    the batch): blockwise raised jax's "Context mesh ... should match", and the document
+    and prefix masks jax's ShardingTypeError. Now their output and gradients (q; the
+    slopes) equal the unsharded dense call's; a lambda closing over a placed array goes to
+    dense, and blockwise by name says why."""
+    got = placed_modifiers[case]
+    if route is not None:
+        assert got["routes"] == [route], got
+    assert got["err"] < 2e-5 and got["spec"] == ["b", None, None, None], got
+    refused = placed_modifiers["closure refused"]
+    assert refused.startswith("implementation='blockwise' cannot be used here: a mask_mod")
+    assert "closes over an array placed on a mesh of explicit axes" in refused
+
+
 def test_the_kernel_refuses_key_value_heads_split_across_a_group(explicit):
     """6 query heads over 3 key/value heads, heads over 2 devices: a device's query heads
     would need a key/value head another device holds."""

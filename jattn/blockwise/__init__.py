@@ -30,7 +30,13 @@ from jattn.blockwise._config import (
     default_tiles,
     make_config,
 )
-from jattn.blockwise._layout import attention, head_splits, tile_flags, tile_layout
+from jattn.blockwise._layout import (
+    attention,
+    explicit_closure,
+    head_splits,
+    tile_flags,
+    tile_layout,
+)
 from jattn.blockwise._passes import backward, forward
 from jattn.blockwise._schedule import coarsen
 
@@ -45,6 +51,7 @@ __all__ = [
     "coarsen",
     "cpu_kind",
     "default_tiles",
+    "explicit_closure",
     "forward",
     "head_splits",
     "hoist",

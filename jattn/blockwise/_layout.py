@@ -27,7 +27,7 @@ from jattn.blockwise._mods import hoist_modifier, peel_band
 from jattn.blockwise._passes import core
 from jattn.blockwise._schedule import block_states, causal_fast, schedule
 
-__all__ = ["attention", "head_splits", "tile_flags", "tile_layout"]
+__all__ = ["attention", "explicit_closure", "head_splits", "tile_flags", "tile_layout"]
 
 Array = jax.Array
 
@@ -48,18 +48,23 @@ def attention(query, key, value, ops: Operands, settings: Settings, *, block_q=N
     if not sharded_axes(query, key, value, ops):
         return _attention(query, key, value, ops, settings, block_q, block_k, split_heads=True)
 
-    def attend(q, k, v, o):
-        return _attention(q, k, v, o, settings, block_q, block_k, split_heads=False)
+    def attend(q, k, v, o, score_mod, mask_mod):
+        local = dataclasses.replace(settings, score_mod=score_mod, mask_mod=mask_mod)
+        return _attention(q, k, v, o, local, block_q, block_k, split_heads=False)
 
-    return _on_auto_axes(attend, settings.return_residual, query, key, value, ops)
+    operands = (query, key, value, ops, settings.score_mod, settings.mask_mod)
+    return _on_auto_axes(attend, settings.return_residual, *operands)
 
 
-def _on_auto_axes(attend, residual: bool, query, key, value, ops: Operands):
-    """``attend(query, key, value, ops) -> (out, lse or None)`` with the mesh's explicit
-    axes made automatic inside (``jax.sharding.auto_axes``): XLA partitions the loops as it
-    does on an automatic mesh (jax's explicit types refused their carries and head slices),
-    and the results come back typed as the query's leading axes."""
-    leaves, tree = jax.tree.flatten((query, key, value, ops))
+def _on_auto_axes(attend, residual: bool, query, *operands):
+    """``attend(query, *operands) -> (out, lse or None)`` with the mesh's explicit axes made
+    automatic inside (``jax.sharding.auto_axes``): XLA partitions the loops as it does on an
+    automatic mesh (jax's explicit types refused their carries and head slices), and the
+    results come back typed as the query's leading axes. The arrays of ``operands``' pytrees
+    pass in as arguments, typed for the automatic axes: among them the arrays of
+    :mod:`jattn.mods`' modifiers (pytrees), which a closure could not carry in (an array
+    typed on explicit axes, read in the automatic context, makes jax raise)."""
+    leaves, tree = jax.tree.flatten((query, *operands))
     where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
     def inner(*arrays):  # the arrays replaced; Python numbers (the scale) stay static
@@ -75,6 +80,34 @@ def _on_auto_axes(attend, residual: bool, query, key, value, ops: Operands):
         sharding.update(spec=jax.P(*lead)) if residual else None,
     )
     return jax.sharding.auto_axes(inner, out_sharding=out_sharding)(*(leaves[i] for i in where))
+
+
+def explicit_closure(settings: Settings) -> str | None:
+    """Why the call's modifiers cannot run on operands sharded in their types (None: they
+    can): one closes over an array typed on a mesh's explicit axes, which
+    :func:`_on_auto_axes` cannot pass in (jax raises when the automatic context reads it).
+    The arrays of :mod:`jattn.mods`' modifiers are their pytree leaves and pass."""
+    for fn, kind in ((settings.score_mod, "score_mod"), (settings.mask_mod, "mask_mod")):
+        if fn is None:
+            continue
+        _, consts = hoist_modifier(fn, kind[:-4], jnp.float32)
+        leaves = {id(x) for x in jax.tree.leaves(fn)}
+        if any(id(c) not in leaves and _explicitly_typed(c) for c in consts):
+            return (
+                f"a {kind} closes over an array placed on a mesh of explicit axes, which the "
+                "blockwise path's loops (on the mesh's axes made automatic) cannot read: "
+                "pass it through a jattn.mods modifier (jattn.mods.alibi, relative_bias, ...) "
+                "or as segment ids, lengths or a bias, or close over an unplaced copy"
+            )
+    return None
+
+
+def _explicitly_typed(x) -> bool:
+    """Whether array ``x``'s type names a mesh with explicit axes."""
+    if not isinstance(x, jax.Array):
+        return False
+    mesh = jax.typeof(x).sharding.mesh
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _attention(query, key, value, ops, settings, block_q, block_k, *, split_heads: bool):
