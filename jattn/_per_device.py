@@ -6,12 +6,15 @@ default) the operands' sharding is in their types, so a call whose queries are s
 over batch or head axes can run the kernel inside ``jax.shard_map``: each device attends
 its own rows and heads, as the unsharded call does for them, and nothing moves between
 devices. Dropout's mask is keyed by the global batch and head indices, so each device
-is given its rows' numbers in the whole call (``Operands.dropout_rows``), and ALiBi's
-slopes are split with the heads. :func:`obstacle` says when a device's share is not the
-same call: a modifier that reads its batch or head index or a block mask with tiles per
-batch row or head (a device would see its own indices, from 0), a query sharded along
-its tokens or features, grouped heads split across a group. The router then takes a
-path that partitions itself (blockwise, dense) or names the reason.
+is given its rows' numbers in the whole call (``Operands.dropout_rows``); the arrays of
+jattn.mods' modifiers that run over rows or heads (ALiBi's slopes, a relative bias
+table, segment ids, prefix lengths) and a block mask's tiles are split with the queries,
+so a device's own batch and head indices read its own share. :func:`obstacle` says when
+a device's share is not the same call: a modifier of the user's that reads its batch or
+head index (a device would see its own, from 0) or closes over arrays, rows of the
+flattened batch split past its first axis, a query sharded along its tokens or features,
+grouped heads split across a group. The router then takes a path that partitions itself
+(blockwise, dense) or names the reason.
 """
 
 from __future__ import annotations
@@ -61,23 +64,76 @@ def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None
     devices, kv_heads = _devices(spec[-2], _mesh(query)), key.shape[-2]
     if kv_heads % devices and kv_heads != 1:
         return f"{kv_heads} key/value heads cannot follow the query heads over {devices} devices"
-    return _modifier_obstacle(ops, settings)
+    return _modifier_obstacle(ops, settings, spec[:-3])
 
 
-def _modifier_obstacle(ops: Operands, settings: Settings) -> str | None:
+def _modifier_obstacle(ops: Operands, settings: Settings, batch: tuple) -> str | None:
     """Why a modifier would differ on a device's share: it reads the batch or head index
-    (ALiBi's slopes aside: they are split with the heads), or a block mask holds tiles per
-    batch row or head."""
+    (but through the arrays of jattn.mods' modifiers, which are split with the rows and
+    heads), or a block mask holds tiles per batch row or head."""
     for fn, kind in ((settings.score_mod, "score_mod"), (settings.mask_mod, "mask_mod")):
-        reason = None if fn is None or isinstance(fn, mods.Alibi) else _modifier_reason(fn, kind)
+        reason = None if fn is None else _mod_reason(fn, kind, batch)
         if reason is not None:
             return reason
-    if ops.block_mask is not None and ops.block_mask.state.shape[:2] != (1, 1):
-        return (
-            "the block mask holds tiles per batch row or head (build it without batch_shape "
-            "and num_heads when its mask_mod reads neither)"
-        )
+    if ops.block_mask is not None and ops.block_mask.state.shape[0] > 1 and _past_first(batch):
+        return "the block mask's tiles per row (flattened batch) would split across batch axes past the first"
     return None
+
+
+def _past_first(batch: tuple) -> bool:
+    """Whether batch axes past the first are sharded: arrays over the flattened batch rows
+    (a block mask's tiles, jattn.mods' row arrays) then split into no contiguous blocks."""
+    return any(e is not None for e in batch[1:])
+
+
+# The arrays of jattn.mods' modifiers that run over the (flattened) batch rows, axis 0, or
+# the heads, last axis: split with the queries, a device's own b or h then reads its own.
+_ROW_FIELDS = {mods.Document: ("q_segments", "kv_segments"), mods.PrefixLM: ("prefix_lengths",)}
+_HEAD_FIELDS = {mods.Alibi: ("slopes",), mods.RelativeBias: ("table",)}
+_COMBINED = (mods.Compose, mods.MaskAnd, mods.MaskOr)
+
+
+def _mod_reason(fn, kind: str, batch: tuple) -> str | None:
+    """:func:`_modifier_reason` for ``fn`` and, when it combines modifiers, each of its parts;
+    jattn.mods' modifiers whose arrays are split with the rows or heads pass."""
+    if isinstance(fn, _COMBINED):
+        return next((r for part in fn.mods if (r := _mod_reason(part, kind, batch))), None)
+    if type(fn) in _HEAD_FIELDS:
+        return None
+    if type(fn) in _ROW_FIELDS:
+        rows = max(getattr(fn, f).shape[0] for f in _ROW_FIELDS[type(fn)])
+        if rows > 1 and _past_first(batch):
+            return f"a {kind}'s rows (flattened batch) would split across batch axes past the first"
+        return None
+    return _modifier_reason(fn, kind)
+
+
+def _mod_specs(fn, batch: tuple, heads) -> list:
+    """Per leaf of modifier ``fn`` (``jax.tree.leaves`` order): how an array of jattn.mods'
+    follows the queries (:data:`_ROW_FIELDS`, :data:`_HEAD_FIELDS`; a shared row, one of
+    size 1, on every device), None for the other leaves (functions, numbers: kept)."""
+
+    def specs(part):
+        fields = {}
+        for f in _ROW_FIELDS.get(type(part), ()):
+            x = getattr(part, f)
+            rows = batch[0] if batch and x.shape[0] > 1 else None
+            fields[f] = _Spec((rows,) + (None,) * (x.ndim - 1))
+        for f in _HEAD_FIELDS.get(type(part), ()):
+            x = getattr(part, f)
+            fields[f] = _Spec((None,) * (x.ndim - 1) + (heads,))
+        return dataclasses.replace(part, **fields) if fields else part
+
+    known = (*_ROW_FIELDS, *_HEAD_FIELDS)
+    tree = jax.tree.map(specs, fn, is_leaf=lambda x: type(x) in known)
+    return [box.spec if isinstance(box, _Spec) else None for box in jax.tree.leaves(tree)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """A partition spec standing in for an array of a modifier (a pytree leaf)."""
+
+    spec: tuple
 
 
 def _modifier_reason(fn, kind: str) -> str | None:
@@ -103,18 +159,20 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     batch, heads = spec[:-3], spec[-2]
     arrays, specs = _shares(query, key, value, ops, settings, batch, heads, mesh)
     names = list(arrays)
-    placed = [jax.sharding.reshard(arrays[n], NamedSharding(mesh, jax.P(*specs[n]))) for n in names]
+    in_specs = tuple(_partition(specs[n]) for n in names)  # a modifier's: a list, one per array
+    placed = jax.tree.map(
+        lambda x, p: jax.sharding.reshard(x, NamedSharding(mesh, p)),
+        [arrays[n] for n in names],
+        list(in_specs),
+    )
 
     def local(*shards):
         given = dict(zip(names, shards, strict=True))
         q, k, v = (given.pop(n) for n in ("query", "key", "value"))
-        own = settings
-        if "slopes" in given:  # ALiBi with this device's heads' slopes
-            alibi = dataclasses.replace(settings.score_mod, slopes=given.pop("slopes"))
-            own = dataclasses.replace(settings, score_mod=alibi)
-        if "block_state" in given:
+        own = _own_mods(settings, given, batch, heads)
+        if "block_state" in given:  # this device's tiles, its mask_mod for the partial ones
             given["block_mask"] = dataclasses.replace(
-                ops.block_mask, state=given.pop("block_state")
+                ops.block_mask, state=given.pop("block_state"), mask_mod=own.mask_mod
             )
         if "q_segments" in given and "kv_segments" not in given:
             given["kv_segments"] = given["q_segments"]  # one id array for both
@@ -126,7 +184,7 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=tuple(jax.P(*specs[n]) for n in names),
+        in_specs=in_specs,
         out_specs=out_specs,
         axis_names=set(sharded_axes(query, key, value, ops)),
         # The kernels' custom calls do not type how their results vary over the devices;
@@ -135,10 +193,26 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     )(*placed)
 
 
+def _own_mods(settings: Settings, given: dict, batch: tuple, heads) -> Settings:
+    """``settings`` with its modifiers reading this device's shares of their arrays, popped
+    from ``given`` (:func:`_shares`' ``score_mod`` and ``mask_mod`` lists)."""
+    own = {}
+    for field in ("score_mod", "mask_mod"):
+        if field in given:
+            fn, mine = getattr(settings, field), iter(given.pop(field))
+            leaves, tree = jax.tree.flatten(fn)
+            pairs = zip(leaves, _mod_specs(fn, batch, heads), strict=True)
+            own[field] = jax.tree.unflatten(
+                tree, [x if s is None else next(mine) for x, s in pairs]
+            )
+    return dataclasses.replace(settings, **own)
+
+
 def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tuple[dict, dict]:
     """``(arrays, specs)``: every array the kernel reads, by :class:`Operands` field name
-    (and query, key, value, ALiBi's ``slopes``, the block mask's ``block_state``), and how
-    each is split over the devices: jax.shard_map cannot close over them."""
+    (and query, key, value, the block mask's ``block_state``; the arrays of the modifiers
+    as lists under ``score_mod`` and ``mask_mod``), and how each is split over the devices:
+    jax.shard_map cannot close over them."""
     kv_heads = heads if key.shape[-2] % _devices(heads, mesh) == 0 else None
     specs = {
         "query": (*batch, None, heads, None),
@@ -160,11 +234,23 @@ def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tupl
         arrays["dropout_rng"], specs["dropout_rng"] = ops.dropout_rng, ()
         if isinstance(ops.dropout_rate, jax.Array):
             arrays["dropout_rate"], specs["dropout_rate"] = ops.dropout_rate, ()
-    if isinstance(settings.score_mod, mods.Alibi):
-        arrays["slopes"], specs["slopes"] = settings.score_mod.slopes, (heads,)
-    if ops.block_mask is not None:  # one state for every device (obstacle: [1, 1, ...])
-        arrays["block_state"], specs["block_state"] = ops.block_mask.state, ()
+    for field in ("score_mod", "mask_mod"):  # as lists, one entry per array
+        fn = getattr(settings, field)
+        pairs = zip(jax.tree.leaves(fn), _mod_specs(fn, batch, heads), strict=True)
+        split = [(x, s) for x, s in pairs if s is not None]
+        if split:
+            arrays[field], specs[field] = [x for x, _ in split], [s for _, s in split]
+    if ops.block_mask is not None:  # [B|1, H|1, ...]: the tiles of the device's rows, heads
+        state = ops.block_mask.state
+        rows = batch[0] if batch and state.shape[0] > 1 else None
+        arrays["block_state"] = state
+        specs["block_state"] = (rows, heads if state.shape[1] > 1 else None, None, None)
     return arrays, specs
+
+
+def _partition(spec):
+    """A :class:`jax.P` of a spec tuple, or a list of them of a list of spec tuples."""
+    return [jax.P(*x) for x in spec] if isinstance(spec, list) else jax.P(*spec)
 
 
 def _operand_spec(name: str, x: Array, query: Array, batch: tuple, heads) -> tuple:

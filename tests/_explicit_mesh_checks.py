@@ -11,7 +11,6 @@ and the NNX module's KV cache against the unsharded ones); prints one JSON objec
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -101,18 +100,14 @@ PALLAS_MODS = {
 }
 
 
-def per_row_tiles(bm):
-    """``bm`` with its tile states repeated for each of the B batch rows."""
-    state = jnp.broadcast_to(bm.state, (B, *bm.state.shape[1:]))
-    return dataclasses.replace(bm, state=state)
-
-
 # Modifiers a kernel cannot take per device: they see the global batch and head indices.
 REFUSED = {
     "score_mod": dict(score_mod=lambda s, b, h, q, kv: s + 0.1 * h),
     "mask_mod": dict(mask_mod=lambda b, h, q, kv: (q + h) % 3 != 0),
-    # tiles per batch row (built by hand), though its mask_mod reads no batch index
-    "block_mask": dict(block_mask=per_row_tiles(jattn.block_mask(WINDOW, q_len=T))),
+    # tiles per head of a mask_mod of the user's that reads its head index
+    "block_mask": dict(
+        block_mask=jattn.block_mask(lambda b, h, q, kv: q - kv < 8 * (h + 1), q_len=T, num_heads=H)
+    ),
 }
 
 
@@ -226,6 +221,35 @@ def _operand_cases(rng) -> dict:
         "softcap": dict(score_mod=jattn.mods.softcap(2.0)),
         # tiles of a mask_mod that reads no batch or head index: one state for every device
         "block mask": dict(block_mask=jattn.block_mask(WINDOW, q_len=ts, block_q=32, block_k=32)),
+        # tiles per row of packed documents: the tiles and the segment ids split with the rows
+        "document block mask": dict(
+            block_mask=jattn.block_mask(
+                jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(documents(rng))),
+                q_len=ts,
+                batch_shape=B,
+                block_q=32,
+                block_k=32,
+            )
+        ),
+    }
+
+
+def documents(rng) -> np.ndarray:
+    """Segment ids ``[B, TS]`` of packed documents of random lengths, a different packing
+    per row."""
+    return np.sort(rng.integers(0, 4, size=(B, TS)), axis=1).astype(np.int32)
+
+
+def mods_cases(rng) -> dict:
+    """jattn.mods' modifiers reading arrays by batch row or head (traced into jattn's Pallas
+    kernel): each device is given its rows' or heads' share of the arrays."""
+    table = rng.normal(size=(32, H)).astype(np.float32)
+    return {
+        "relative_bias": dict(score_mod=jattn.mods.relative_bias(table, bidirectional=False)),
+        "document": dict(mask_mod=jattn.mods.document(documents(rng))),
+        "prefix_lm": dict(
+            mask_mod=jattn.mods.prefix_lm(np.array([3, 40, 0, 100], np.int32)), is_causal=False
+        ),
     }
 
 
@@ -243,9 +267,8 @@ def _per_device_case(mesh, q, k, v, options, kernel="cpu_fused") -> dict:
             given = dict(diff)
             if "slopes" in given:
                 given["score_mod"] = jattn.mods.alibi(given.pop("slopes"))
-            out = jattn.dot_product_attention(
-                q, k, v, is_causal=True, implementation=implementation, **given, **fixed
-            )
+            options = {"is_causal": True, **given, **fixed}  # a case may say is_causal=False
+            out = jattn.dot_product_attention(q, k, v, implementation=implementation, **options)
             outs = out if isinstance(out, tuple) else (out,)
             return outs, sum(jnp.sum(jnp.sin(o)) for o in outs)
 
@@ -299,6 +322,7 @@ def pallas_per_device(mesh) -> dict:
     q, k, v = (rng.normal(size=(B, TS, h, D)).astype(np.float32) for h in (H, K, K))
     cases = {n: o for n, o in _operand_cases(rng).items() if n in ("dropout", "alibi")}
     cases.update(PALLAS_MODS)
+    cases.update(mods_cases(rng))
     os.environ["JATTN_PALLAS_INTERPRET"] = "1"
     try:
         return _by_spec(mesh, q, k, v, cases, "pallas")
@@ -351,6 +375,35 @@ def traced_block_masks(mesh) -> dict:
             result["closure_refused"] = ""
         except ValueError as e:
             result["closure_refused"] = str(e)
+    CHOSEN.clear()
+    return result
+
+
+def rows_past_first(mesh) -> dict:
+    """Queries of two batch axes [2, 2], the second sharded, with a block mask of per-row
+    packed documents (rows of the flattened batch, which the devices' shares would not
+    split into blocks): cpu_fused by name refuses, and the automatic rule's answer equals
+    the unsharded dense call's."""
+    rng = np.random.default_rng(11)
+    q = rng.normal(size=(2, 2, TS, H, D)).astype(np.float32)
+    mod = jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(documents(rng)))
+    bm = jattn.block_mask(mod, q_len=TS, batch_shape=B, block_q=32, block_k=32)
+
+    @partial(jax.jit, static_argnums=1)
+    def f(q, implementation):
+        return jattn.dot_product_attention(q, q, q, block_mask=bm, implementation=implementation)
+
+    want = f(q, "dense")
+    CHOSEN.clear()
+    with jax.set_mesh(mesh):
+        qs = jax.device_put(q, NamedSharding(mesh, P(None, "b")))
+        got = f(qs, None)
+        result = {"routes": sorted(set(CHOSEN)), "err": float(jnp.max(jnp.abs(got - want)))}
+        try:
+            f(qs, "cpu_fused")
+            result["refused"] = ""
+        except ValueError as e:
+            result["refused"] = str(e)
     CHOSEN.clear()
     return result
 
@@ -561,6 +614,7 @@ def attention_check(mesh) -> dict:
         for name, cases in per_device(mesh).items():
             result[name]["per_device"] = cases
         result["split_groups"] = split_groups(mesh)
+        result["rows_past_first"] = rows_past_first(mesh)
         result["traced_block_masks"] = traced_block_masks(mesh)
     for name, spec in SPECS.items():
         result[name]["pallas"] = pallas_interpreted(mesh, spec, arrays, want)

@@ -621,6 +621,7 @@ PER_DEVICE_CASES = [
     "alibi",
     "softcap",
     "block mask",
+    "document block mask",
     "one key/value head",
 ]
 
@@ -636,7 +637,9 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     call's. Dropout (its mask keyed by the global batch and head indices, also shared by
     the heads or the rows) drops what the unsharded call drops with the same key: each
     device is given its rows' numbers in the whole call; ALiBi's slopes go with the heads;
-    a block mask whose mask_mod reads no batch or head index is one state for all."""
+    a block mask whose mask_mod reads no batch or head index is one state for all; a
+    block mask of packed documents per row takes the device's rows of tiles and of segment
+    ids."""
     if not explicit["built"]:
         pytest.skip("the fused CPU kernel is not built")
     got = explicit[sharded]["per_device"][case]
@@ -652,14 +655,19 @@ def pallas_per_device() -> dict:
 
 
 @pytest.mark.slow  # jattn's Pallas kernel interpreted on 2 devices (about 16 s of CPU)
-@pytest.mark.parametrize("case", ["dropout", "alibi", "score_mod", "mask_mod"])
+@pytest.mark.parametrize(
+    "case",
+    ["dropout", "alibi", "score_mod", "mask_mod", "relative_bias", "document", "prefix_lm"],
+)
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
 def test_the_pallas_kernel_runs_per_device_with_dropout_and_modifiers(
     pallas_per_device, sharded, case
 ):
     """jattn's Pallas kernel (interpret mode) by name, batch- or head-sharded: the same
-    dropout mask and ALiBi slopes as the unsharded dense call, and a score_mod and a
-    mask_mod of the user's that read no batch or head index; output and gradients."""
+    dropout mask and ALiBi slopes as the unsharded dense call, a score_mod and a mask_mod
+    of the user's that read no batch or head index, and jattn.mods' modifiers that read
+    arrays by row or head (a T5 relative bias, packed documents, prefix lengths: each
+    device is given its share of them); output and gradients."""
     got = pallas_per_device[sharded][case]
     assert got["routes"] == ["pallas"]
     assert got["err"] < 1e-5, got
@@ -669,16 +677,16 @@ def test_the_pallas_kernel_runs_per_device_with_dropout_and_modifiers(
 REFUSALS = {  # the case's key suffix: (kernel named, the reason given)
     "": ("cpu_fused", "a score_mod that reads its batch or head index would see a device's own"),
     "_mask_mod": ("pallas", "a mask_mod that reads its batch or head index would see a device's"),
-    "_block_mask": ("cpu_fused", "the block mask holds tiles per batch row or head"),
+    "_block_mask": ("cpu_fused", "a mask_mod that reads its batch or head index would see"),
 }
 
 
 @pytest.mark.parametrize("option", list(REFUSALS))
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
 def test_the_kernel_refuses_sharded_calls_keyed_by_global_indices(explicit, sharded, option):
-    """A score_mod or mask_mod of the user's that reads its batch or head index, or a block
-    mask with tiles per batch row, would see a device's own indices, not the global ones:
-    the kernel by name refuses, saying why."""
+    """A score_mod or mask_mod of the user's that reads its batch or head index (also as a
+    block mask's, with tiles per head) would see a device's own indices, not the global
+    ones: the kernel by name refuses, saying why."""
     message = explicit[sharded][f"refused{option}"]
     kernel, reason = REFUSALS[option]
     assert message.startswith(f"implementation='{kernel}' cannot be used here")
@@ -741,6 +749,17 @@ def test_modifiers_reading_arrays_placed_on_the_mesh(placed_modifiers, case, rou
     refused = placed_modifiers["closure refused"]
     assert refused.startswith("implementation='blockwise' cannot be used here: a mask_mod")
     assert "closes over an array placed on a mesh of explicit axes" in refused
+
+
+def test_rows_of_a_flattened_batch_split_past_its_first_axis_are_refused(explicit):
+    """Two batch axes, the second sharded: a block mask's tiles per row (of the flattened
+    batch) would not split into each device's rows; cpu_fused by name says so, and the
+    automatic rule takes a path that partitions itself, with the right answer."""
+    if not explicit["built"]:
+        pytest.skip("the fused CPU kernel is not built")
+    got = explicit["rows_past_first"]
+    assert "cpu_fused" not in got["routes"] and got["err"] < 1e-5, got
+    assert "rows (flattened batch) would split across batch axes past the first" in got["refused"]
 
 
 def test_the_kernel_refuses_key_value_heads_split_across_a_group(explicit):
