@@ -601,7 +601,6 @@ def attention_check(mesh) -> dict:
             "auto": summary(*run(attend(None), mesh, spec, arrays), want),
             "blockwise": summary(*run(attend("blockwise"), mesh, spec, arrays), want),
             "collectives": collectives(mesh, spec, arrays),
-            "options": with_options(mesh, spec, arrays),
             "refused": refused(mesh, spec, arrays, "cpu_fused", **REFUSED["score_mod"]),
             "refused_mask_mod": refused(mesh, spec, arrays, "pallas", **REFUSED["mask_mod"]),
             "refused_block_mask": refused(mesh, spec, arrays, "cpu_fused", **REFUSED["block_mask"]),
@@ -630,7 +629,8 @@ def placed_modifiers(mesh) -> dict:
     blockwise's loops (the mesh's axes made automatic there), which raised on them before;
     a document mask or prefix of per-row arrays sharded over the batch replicates them to
     read any row (jax raised ShardingTypeError); a lambda closing over a placed array goes to
-    dense, and blockwise by name says why."""
+    dense, and blockwise by name says why. Also blockwise with dropout and ALiBi on the
+    operands of the attention section, sharded and not (:func:`with_options`)."""
     rng = np.random.default_rng(9)
     q = rng.normal(size=(B, T, H, D)).astype(np.float32)
     slopes = jattn.mods.alibi_slopes(H)
@@ -693,6 +693,9 @@ def placed_modifiers(mesh) -> dict:
             result["closure refused"] = ""
         except ValueError as e:
             result["closure refused"] = str(e)
+    arrays = operands()  # blockwise with dropout and ALiBi, sharded and not
+    for name, spec in SPECS.items():
+        result[f"options {name}"] = with_options(mesh, spec, arrays)
     CHOSEN.clear()
     return result
 

@@ -601,13 +601,6 @@ def test_each_device_computes_its_own_rows_or_heads(explicit, sharded):
     assert set(explicit[sharded]["collectives"]) <= {"pred"}
 
 
-@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-@pytest.mark.parametrize("option", ["dropout", "alibi"])
-def test_sharded_blockwise_equals_unsharded_with_options(explicit, sharded, option):
-    """The same dropout mask from the same key, and ALiBi's slopes by the global head."""
-    assert explicit[sharded]["options"][option] < 1e-6
-
-
 PER_DEVICE_CASES = [
     "bias per row",
     "bias shared by the rows",
@@ -760,6 +753,14 @@ def test_rows_of_a_flattened_batch_split_past_its_first_axis_are_refused(explici
     got = explicit["rows_past_first"]
     assert "cpu_fused" not in got["routes"] and got["err"] < 1e-5, got
     assert "rows (flattened batch) would split across batch axes past the first" in got["refused"]
+
+
+@pytest.mark.slow  # in the placed_modifiers section's process
+@pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
+@pytest.mark.parametrize("option", ["dropout", "alibi"])
+def test_sharded_blockwise_equals_unsharded_with_options(placed_modifiers, sharded, option):
+    """The same dropout mask from the same key, and ALiBi's slopes by the global head."""
+    assert placed_modifiers[f"options {sharded}"][option] < 1e-6
 
 
 def test_the_kernel_refuses_key_value_heads_split_across_a_group(explicit):
