@@ -2,10 +2,11 @@
 
 On ``jax.make_mesh``'s explicit axes jattn runs its fused CPU kernel on each device's
 rows inside ``jax.shard_map`` (``jattn/_per_device.py``), dropout included since each
-device is given its rows' numbers in the whole call; before, a call with dropout went to
-``blockwise``, which XLA partitions itself. This script times a training step's
+device is given its rows' numbers in the whole call, and a block mask of packed documents
+per row since each device is given its rows of tiles and segment ids; before, such calls
+went to ``blockwise``, which XLA partitions itself. This script times a training step's
 attention (the jitted gradient of ``sum(out * cotangent)`` with respect to q, k and v;
-causal, dropout 0.1 from one key) on ``--devices`` fake CPU devices
+causal with dropout 0.1 from one key, or packed documents) on ``--devices`` fake CPU devices
 (``--xla_force_host_platform_device_count``), queries, keys and values sharded over the
 batch, for each path by name, and ``cpu_fused`` on one device with the same arrays
 unsharded, the candidates in turn (medians of ``--repeats`` rounds). Each path's output
@@ -60,14 +61,24 @@ PATHS = ("cpu_fused", "blockwise", "dense")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_results.md")
 
 
-def step(implementation: str):
-    """The jitted gradient of one attention call with dropout (q, k, v, cotangent, key)."""
+def workloads(b: int, t: int) -> dict:
+    """``{name: key -> keyword arguments}``: causal with dropout 0.1; packed documents of
+    random lengths, a different packing per row, as a block mask (tiles per row)."""
+    ids = np.sort(np.random.default_rng(1).integers(0, 4, size=(b, t)), axis=1)
+    docs = jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(ids.astype(np.int32)))
+    packed = jattn.block_mask(docs, q_len=t, batch_shape=b)
+    return {
+        "causal, dropout 0.1": lambda key: dict(is_causal=True, dropout_rate=0.1, dropout_rng=key),
+        "packed documents (block mask per row)": lambda key: dict(block_mask=packed),
+    }
+
+
+def step(implementation: str, options):
+    """The jitted gradient of one attention call (q, k, v, cotangent, key), ``options(key)``
+    its keyword arguments."""
 
     def loss(q, k, v, cot, key):
-        out = jattn.dot_product_attention(
-            q, k, v, is_causal=True, dropout_rate=0.1, dropout_rng=key,
-            implementation=implementation,
-        )  # fmt: skip
+        out = jattn.dot_product_attention(q, k, v, implementation=implementation, **options(key))
         return jnp.sum(out * cot)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -78,16 +89,16 @@ def arrays(b: int, t: int, h: int, d: int) -> list:
     return [rng.normal(size=(b, t, h, d)).astype(np.float32) for _ in range(4)]
 
 
-def candidates(mesh, shape) -> dict:
+def candidates(mesh, shape, options) -> dict:
     """``{name: () -> gradients}``: each path on batch-sharded operands (under
-    ``jax.set_mesh``), and cpu_fused on one device; each checked against the sharded dense
-    path's gradients first."""
+    ``jax.set_mesh``), and cpu_fused on one device, with ``options``; each checked against
+    the sharded dense path's gradients first."""
     host = arrays(*shape)
     key = jax.random.key(0)
     sharded = [jax.device_put(x, NamedSharding(mesh, P("b"))) for x in host]
     one = [jax.device_put(x, jax.devices()[0]) for x in host]
-    calls = {f"{p}, sharded": (step(p), sharded, mesh) for p in PATHS}
-    calls["cpu_fused, one device"] = (step("cpu_fused"), one, None)
+    calls = {f"{p}, sharded": (step(p, options), sharded, mesh) for p in PATHS}
+    calls["cpu_fused, one device"] = (step("cpu_fused", options), one, None)
 
     def bound(f, args, on):
         def run():
@@ -121,15 +132,14 @@ def medians(calls: dict, repeats: int) -> dict:
 
 
 def table(results: dict) -> str:
+    """One row per (workload, shape) of ``results``."""
     names = list(next(iter(results.values())))
-    lines = [
-        "| [B, T, H, D] | " + " | ".join(f"{n} (ms)" for n in names) + " | blockwise / cpu_fused |",
-        "|" + "---|" * (len(names) + 2),
-    ]
-    for shape, m in results.items():
+    head = ["workload", "[B, T, H, D]", *(f"{n} (ms)" for n in names), "blockwise / cpu_fused"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (workload, shape), m in results.items():
         ratio = m["blockwise, sharded"] / m["cpu_fused, sharded"]
         cells = " | ".join(f"{m[n] * 1e3:.1f}" for n in names)
-        lines.append(f"| {list(shape)} | {cells} | **{ratio:.2f}x** |")
+        lines.append(f"| {workload} | {list(shape)} | {cells} | **{ratio:.2f}x** |")
     return "\n".join(lines)
 
 
@@ -148,17 +158,20 @@ def main(argv=None) -> None:
     before = "/".join(f"{x:.1f}" for x in os.getloadavg())
     results = {}
     for shape in ((4, 512, 8, 64), (4, 1024, 8, 64)):
-        results[shape] = medians(candidates(mesh, shape), args.repeats)
+        for workload, options in workloads(*shape[:2]).items():
+            results[workload, shape] = medians(candidates(mesh, shape, options), args.repeats)
     after = "/".join(f"{x:.1f}" for x in os.getloadavg())
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = (
         f"Command: `PYTHONPATH=$PWD python benchmarks/bench_sharded.py`, {when}. {machine}; "
         f"{args.devices} fake CPU devices on this machine's cores. Load average (1/5/15 min) "
         f"{before} before, {after} after.\n\n"
-        "The jitted gradient (q, k, v) of causal attention with dropout 0.1, queries, keys "
-        "and values sharded over the batch on a mesh of explicit axes; medians of "
+        "The jitted gradient (q, k, v) of attention, causal with dropout 0.1 or over packed "
+        "documents (a block mask of tiles per row, a different packing per row), queries, "
+        "keys and values sharded over the batch on a mesh of explicit axes; medians of "
         f"{args.repeats} rounds, the candidates in turn. Every path's gradients were checked "
-        "against the dense path's first (the same key drops the same weights on each).\n\n"
+        "against the dense path's first (the same key drops the same weights on each). "
+        "Before, the automatic rule took blockwise for both.\n\n"
         f"{table(results)}\n"
     )
     print(text)
