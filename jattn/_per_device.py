@@ -70,7 +70,8 @@ def obstacle(query, key, value, ops: Operands, settings: Settings) -> str | None
 def _modifier_obstacle(ops: Operands, settings: Settings, batch: tuple) -> str | None:
     """Why a modifier would differ on a device's share: it reads the batch or head index
     (but through the arrays of jattn.mods' modifiers, which are split with the rows and
-    heads), or a block mask holds tiles per batch row or head."""
+    heads), or rows of the flattened batch (a block mask's tiles, jattn.mods' row arrays)
+    would split past its first batch axis."""
     for fn, kind in ((settings.score_mod, "score_mod"), (settings.mask_mod, "mask_mod")):
         reason = None if fn is None else _mod_reason(fn, kind, batch)
         if reason is not None:

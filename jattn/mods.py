@@ -550,7 +550,10 @@ def _readable(rows: Array) -> Array:
     """Per-sequence ``rows`` replicated when their type shards them over a mesh's explicit
     axes: jax cannot type a gather of rows split over devices by the full batch's indices
     (it raises ShardingTypeError); the rows are small (lengths, segment ids)."""
-    return jax.sharding.reshard(rows, jax.P()) if _util.sharded_axes(rows) else rows
+    if not _util.sharded_axes(rows):
+        return rows
+    mesh = jax.typeof(rows).sharding.mesh  # the rows' own: no jax.set_mesh needed
+    return jax.sharding.reshard(rows, jax.sharding.NamedSharding(mesh, jax.P()))
 
 
 @jax.tree_util.register_dataclass

@@ -687,6 +687,13 @@ def placed_modifiers(mesh) -> dict:
         result[f"{case} {implementation or 'auto'}"] = {
             "routes": sorted(set(CHOSEN)), "err": max(errs), "spec": spec_of(got[0]),
         }  # fmt: skip
+    want = grads("document", "dense", *unplaced)  # placed, called with no jax.set_mesh
+    got = grads("document", None, *on_mesh())
+    errs = [
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    ]
+    result["document without set_mesh"] = {"err": max(errs), "spec": spec_of(got[0])}
     with jax.set_mesh(mesh):
         try:
             grads("closure", "blockwise", *on_mesh())

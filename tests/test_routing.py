@@ -726,6 +726,7 @@ def placed_modifiers() -> dict:
         ("document blockwise", "blockwise"),
         ("prefix blockwise", "blockwise"),
         ("closure auto", "dense"),
+        ("document without set_mesh", None),
     ],
 )
 def test_modifiers_reading_arrays_placed_on_the_mesh(placed_modifiers, case, route):
@@ -733,8 +734,8 @@ def test_modifiers_reading_arrays_placed_on_the_mesh(placed_modifiers, case, rou
     are placed on the mesh (ALiBi's slopes replicated; segment ids and prefix lengths over
     the batch): blockwise raised jax's "Context mesh ... should match", and the document
     and prefix masks jax's ShardingTypeError. Now their output and gradients (q; the
-    slopes) equal the unsharded dense call's; a lambda closing over a placed array goes to
-    dense, and blockwise by name says why."""
+    slopes) equal the unsharded dense call's, also called with no jax.set_mesh; a lambda
+    closing over a placed array goes to dense, and blockwise by name says why."""
     got = placed_modifiers[case]
     if route is not None:
         assert got["routes"] == [route], got
