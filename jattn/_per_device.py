@@ -92,6 +92,7 @@ def _past_first(batch: tuple) -> bool:
 _ROW_FIELDS = {mods.Document: ("q_segments", "kv_segments"), mods.PrefixLM: ("prefix_lengths",)}
 _HEAD_FIELDS = {mods.Alibi: ("slopes",), mods.RelativeBias: ("table",)}
 _COMBINED = (mods.Compose, mods.MaskAnd, mods.MaskOr)
+_MOD_FIELDS = ("score_mod", "mask_mod")  # the Settings fields holding the modifiers
 
 
 def _mod_reason(fn, kind: str, batch: tuple) -> str | None:
@@ -158,7 +159,8 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
         return run_kernel(query, key, value, ops, settings, extras)
     spec, mesh = axis_specs(query), _mesh(query)
     batch, heads = spec[:-3], spec[-2]
-    arrays, specs = _shares(query, key, value, ops, settings, batch, heads, mesh)
+    mod_specs = {f: _mod_specs(getattr(settings, f), batch, heads) for f in _MOD_FIELDS}
+    arrays, specs = _shares(query, key, value, ops, settings, batch, heads, mesh, mod_specs)
     names = list(arrays)
     in_specs = tuple(_partition(specs[n]) for n in names)  # a modifier's: a list, one per array
     placed = jax.tree.map(
@@ -170,7 +172,7 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     def local(*shards):
         given = dict(zip(names, shards, strict=True))
         q, k, v = (given.pop(n) for n in ("query", "key", "value"))
-        own = _own_mods(settings, given, batch, heads)
+        own = _own_mods(settings, given, mod_specs)
         if "block_state" in given:  # this device's tiles, its mask_mod for the partial ones
             given["block_mask"] = dataclasses.replace(
                 ops.block_mask, state=given.pop("block_state"), mask_mod=own.mask_mod
@@ -194,22 +196,25 @@ def run(run_kernel, query, key, value, ops: Operands, settings: Settings, extras
     )(*placed)
 
 
-def _own_mods(settings: Settings, given: dict, batch: tuple, heads) -> Settings:
+def _own_mods(settings: Settings, given: dict, mod_specs: dict) -> Settings:
     """``settings`` with its modifiers reading this device's shares of their arrays, popped
-    from ``given`` (:func:`_shares`' ``score_mod`` and ``mask_mod`` lists)."""
+    from ``given`` (:func:`_shares`' ``score_mod`` and ``mask_mod`` lists; ``mod_specs``:
+    :func:`_mod_specs` of each)."""
     own = {}
-    for field in ("score_mod", "mask_mod"):
+    for field in _MOD_FIELDS:
         if field in given:
             fn, mine = getattr(settings, field), iter(given.pop(field))
             leaves, tree = jax.tree.flatten(fn)
-            pairs = zip(leaves, _mod_specs(fn, batch, heads), strict=True)
+            pairs = zip(leaves, mod_specs[field], strict=True)
             own[field] = jax.tree.unflatten(
                 tree, [x if s is None else next(mine) for x, s in pairs]
             )
     return dataclasses.replace(settings, **own)
 
 
-def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tuple[dict, dict]:
+def _shares(
+    query, key, value, ops, settings, batch: tuple, heads, mesh, mod_specs: dict
+) -> tuple[dict, dict]:
     """``(arrays, specs)``: every array the kernel reads, by :class:`Operands` field name
     (and query, key, value, the block mask's ``block_state``; the arrays of the modifiers
     as lists under ``score_mod`` and ``mask_mod``), and how each is split over the devices:
@@ -235,9 +240,9 @@ def _shares(query, key, value, ops, settings, batch: tuple, heads, mesh) -> tupl
         arrays["dropout_rng"], specs["dropout_rng"] = ops.dropout_rng, ()
         if isinstance(ops.dropout_rate, jax.Array):
             arrays["dropout_rate"], specs["dropout_rate"] = ops.dropout_rate, ()
-    for field in ("score_mod", "mask_mod"):  # as lists, one entry per array
+    for field in _MOD_FIELDS:  # as lists, one entry per array
         fn = getattr(settings, field)
-        pairs = zip(jax.tree.leaves(fn), _mod_specs(fn, batch, heads), strict=True)
+        pairs = zip(jax.tree.leaves(fn), mod_specs[field], strict=True)
         split = [(x, s) for x, s in pairs if s is not None]
         if split:
             arrays[field], specs[field] = [x for x, _ in split], [s for _, s in split]
