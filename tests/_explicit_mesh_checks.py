@@ -1,12 +1,14 @@
 """Attention and the models on explicitly sharded operands (jax.make_mesh's default axes).
 
-Run as ``python _explicit_mesh_checks.py SECTION`` (2 fake CPU devices, a ``('b',)`` mesh)
-by tests/test_routing.py (``attention``: the automatic rule, against a float64 numpy
-reference computed on the whole arrays, and the kernels by name on each device's share;
-``pallas_per_device``: jattn's Pallas kernel in interpret mode with dropout and modifiers,
-about 16 s, for the slow leg) and tests/test_models.py (``models``: the three
-models' forward and gradient against the unsharded model; ``decoding``: their generation
-and the NNX module's KV cache against the unsharded ones); prints one JSON object.
+Run as ``python _explicit_mesh_checks.py SECTION [CASE...]`` (2 fake CPU devices, a
+``('b',)`` mesh) by tests/test_routing.py (``attention``: the automatic rule, against a
+float64 numpy reference computed on the whole arrays, and the kernels by name on each
+device's share, with the per-device cases named; ``per_device``: the other per-device
+cases named, for the slow leg; ``pallas_per_device``: jattn's Pallas kernel in interpret
+mode with dropout and modifiers, about 16 s, for the slow leg) and tests/test_models.py
+(``models``: the three models' forward and gradient against the unsharded model;
+``decoding``: their generation and the NNX module's KV cache against the unsharded ones);
+prints one JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from jattn.kernels.cpu import _library
 
 B, T, H, K, D = 4, 256, 4, 2, 16  # T: past the fused CPU kernel's and blockwise's lengths
 TS = 128  # the per-device operand cases' tokens (the kernels by name)
+MQA = "one key/value head"  # the per-device case of k and v with one head
 SPECS = {"batch": P("b"), "heads": P(None, None, "b")}
 OPS = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as strict as the test suite
@@ -294,16 +297,26 @@ def _per_device_case(mesh, q, k, v, options, kernel="cpu_fused") -> dict:
     return result
 
 
-def per_device(mesh) -> dict:
-    """``{spec name: {case: result}}``: :func:`_per_device_case` for each of
-    :func:`_operand_cases`, GQA (H heads over K) and one key/value head (MQA)."""
+def per_device(mesh, *names: str) -> dict:
+    """``{spec name: {case: result}}``: :func:`_per_device_case` for the cases named, of
+    :func:`_operand_cases` (GQA, H heads over K) and "one key/value head" (MQA). The test
+    names them: some in the default leg's section, the others in the slow leg's."""
+    unknown = set(names) - {*_operand_cases(np.random.default_rng(0)), MQA}
+    if unknown:
+        raise ValueError(f"no per-device cases named {sorted(unknown)}")
     rng = np.random.default_rng(5)
     q = rng.normal(size=(B, TS, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(B, TS, K, D)).astype(np.float32) for _ in "kv")
-    result = _by_spec(mesh, q, k, v, _operand_cases(rng), "cpu_fused")
+    cases = {n: o for n, o in _operand_cases(rng).items() if n in names}
+    result = _by_spec(mesh, q, k, v, cases, "cpu_fused")
     k, v = (rng.normal(size=(B, TS, 1, D)).astype(np.float32) for _ in "kv")
-    one = _by_spec(mesh, q, k, v, {"one key/value head": {}}, "cpu_fused")
+    one = _by_spec(mesh, q, k, v, {MQA: {}} if MQA in names else {}, "cpu_fused")
     return {name: {**result[name], **one[name]} for name in SPECS}
+
+
+def per_device_section(mesh, *names: str) -> dict:
+    """The slow leg's per-device cases (:func:`per_device`), where the kernel is built."""
+    return {"built": BUILT, **(per_device(mesh, *names) if BUILT else {})}
 
 
 def _by_spec(mesh, q, k, v, cases: dict, kernel: str) -> dict:
@@ -591,7 +604,7 @@ def module_decoding(mesh, kind: str) -> dict:
     return {"err": float(jnp.max(jnp.abs(got - want))), "cache_spec": spec_of(keys)}
 
 
-def attention_check(mesh) -> dict:
+def attention_check(mesh, *per_device_cases: str) -> dict:
     arrays = operands()
     want = reference(*arrays)
     auto_mesh = jax.make_mesh((2,), ("b",), axis_types=(AxisType.Auto,))
@@ -610,7 +623,7 @@ def attention_check(mesh) -> dict:
     result["without_set_mesh"] = without_set_mesh(mesh, arrays, want)
     if BUILT:
         result["shard_map"] = in_shard_map(mesh, arrays, want)
-        for name, cases in per_device(mesh).items():
+        for name, cases in per_device(mesh, *per_device_cases).items():
             result[name]["per_device"] = cases
         result["split_groups"] = split_groups(mesh)
         result["rows_past_first"] = rows_past_first(mesh)
@@ -625,12 +638,13 @@ def attention_check(mesh) -> dict:
 def placed_modifiers(mesh) -> dict:
     """Modifiers reading arrays placed on the mesh, batch-sharded queries at T (blockwise's
     lengths), against the unsharded dense call on the same arrays unplaced: the largest
-    error relative to the largest value, of the output and the gradients (q; the slopes). jattn.mods' modifiers pass their arrays into
-    blockwise's loops (the mesh's axes made automatic there), which raised on them before;
-    a document mask or prefix of per-row arrays sharded over the batch replicates them to
-    read any row (jax raised ShardingTypeError); a lambda closing over a placed array goes to
-    dense, and blockwise by name says why. Also blockwise with dropout and ALiBi on the
-    operands of the attention section, sharded and not (:func:`with_options`)."""
+    error relative to the largest value, of the output and the gradients (q; the slopes).
+    jattn.mods' modifiers pass their arrays into blockwise's loops (the mesh's axes made
+    automatic there), which raised on them before; a document mask or prefix of per-row
+    arrays sharded over the batch replicates them to read any row (jax raised
+    ShardingTypeError); a lambda closing over a placed array goes to dense, and blockwise by
+    name says why. Also blockwise with dropout and ALiBi on the operands of the attention
+    section, sharded and not (:func:`with_options`)."""
     rng = np.random.default_rng(9)
     q = rng.normal(size=(B, T, H, D)).astype(np.float32)
     slopes = jattn.mods.alibi_slopes(H)
@@ -711,13 +725,14 @@ def main() -> None:
     mesh = jax.make_mesh((2,), ("b",))
     sections = {
         "attention": attention_check,
+        "per_device": per_device_section,
         "pallas_per_device": pallas_per_device,
         "placed_modifiers": placed_modifiers,
         "models": models_check,
         "decoding": decoding_check,
     }
     check = sections[sys.argv[1]]
-    print(json.dumps(check(mesh)))
+    print(json.dumps(check(mesh, *sys.argv[2:])))
 
 
 if __name__ == "__main__":

@@ -570,11 +570,40 @@ EXPLICIT_CHECKS = Path(__file__).with_name("_explicit_mesh_checks.py")
 SHARDED_SPECS = {"batch": ["b", None, None, None], "heads": [None, None, "b", None]}
 
 
+# The kernel by name on each device's share of the operands (_explicit_mesh_checks.py's
+# per-device cases, each about 1.5 s): these in the default leg, in the attention section;
+PER_DEVICE_CASES = [
+    "bias per row",
+    "mask and lengths",
+    "dropout",
+    "alibi",
+    "document block mask",
+    "one key/value head",
+]
+# these in the slow leg, in a section of their own.
+PER_DEVICE_SLOW = [
+    "bias shared by the rows",
+    "sinks",
+    "two segment arrays",
+    "log-sum-exp",
+    "dropout shared by the heads",
+    "dropout shared by the rows",
+    "softcap",
+    "block mask",
+]
+
+
 @pytest.fixture(scope="module")
 def explicit() -> dict:
     """tests/_explicit_mesh_checks.py: causal, segment-masked GQA attention at T = 256
     on a ('b',) mesh of explicit axes, against a float64 numpy reference."""
-    return run_checks(EXPLICIT_CHECKS, "attention")
+    return run_checks(EXPLICIT_CHECKS, "attention", *PER_DEVICE_CASES)
+
+
+@pytest.fixture(scope="module")
+def explicit_slow() -> dict:
+    """tests/_explicit_mesh_checks.py's per-device cases of the slow leg (about 12 s)."""
+    return run_checks(EXPLICIT_CHECKS, "per_device", *PER_DEVICE_SLOW)
 
 
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
@@ -601,27 +630,11 @@ def test_each_device_computes_its_own_rows_or_heads(explicit, sharded):
     assert set(explicit[sharded]["collectives"]) <= {"pred"}
 
 
-PER_DEVICE_CASES = [
-    "bias per row",
-    "bias shared by the rows",
-    "mask and lengths",
-    "sinks",
-    "two segment arrays",
-    "log-sum-exp",
-    "dropout",
-    "dropout shared by the heads",
-    "dropout shared by the rows",
-    "alibi",
-    "softcap",
-    "block mask",
-    "document block mask",
-    "one key/value head",
-]
-
-
-@pytest.mark.parametrize("case", PER_DEVICE_CASES)
+@pytest.mark.parametrize(
+    "case", [*PER_DEVICE_CASES, *(pytest.param(c, marks=pytest.mark.slow) for c in PER_DEVICE_SLOW)]
+)
 @pytest.mark.parametrize("sharded", list(SHARDED_SPECS))
-def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharded, case):
+def test_the_kernel_runs_on_each_devices_share_of_every_operand(request, sharded, case):
     """cpu_fused by name on batch- or head-sharded queries, with each operand it reads per
     row or per head laid out to match (a bias per row or shared by the rows, a mask with
     query and key lengths, sinks, separate query/key segment ids, the log-sum-exp, one
@@ -633,9 +646,11 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(explicit, sharde
     a block mask whose mask_mod reads no batch or head index is one state for all; a
     block mask of packed documents per row takes the device's rows of tiles and of segment
     ids."""
-    if not explicit["built"]:
+    slow = case in PER_DEVICE_SLOW
+    checks = request.getfixturevalue("explicit_slow" if slow else "explicit")
+    if not checks["built"]:
         pytest.skip("the fused CPU kernel is not built")
-    got = explicit[sharded]["per_device"][case]
+    got = checks[sharded][case] if slow else checks[sharded]["per_device"][case]
     assert got["routes"] == ["cpu_fused"]
     assert got["err"] < 1e-5, got
     assert got["spec"] == SHARDED_SPECS[sharded]
