@@ -646,11 +646,10 @@ def test_the_kernel_runs_on_each_devices_share_of_every_operand(request, sharded
     a block mask whose mask_mod reads no batch or head index is one state for all; a
     block mask of packed documents per row takes the device's rows of tiles and of segment
     ids."""
-    slow = case in PER_DEVICE_SLOW
-    checks = request.getfixturevalue("explicit_slow" if slow else "explicit")
+    checks = request.getfixturevalue("explicit_slow" if case in PER_DEVICE_SLOW else "explicit")
     if not checks["built"]:
         pytest.skip("the fused CPU kernel is not built")
-    got = checks[sharded][case] if slow else checks[sharded]["per_device"][case]
+    got = checks[sharded]["per_device"][case]
     assert got["routes"] == ["cpu_fused"]
     assert got["err"] < 1e-5, got
     assert got["spec"] == SHARDED_SPECS[sharded]
