@@ -5,10 +5,11 @@ Run as ``python _explicit_mesh_checks.py SECTION [CASE...]`` (2 fake CPU devices
 float64 numpy reference computed on the whole arrays, and the kernels by name on each
 device's share, with the per-device cases named; ``per_device``: the other per-device
 cases named, for the slow leg; ``pallas_per_device``: jattn's Pallas kernel in interpret
-mode with dropout and modifiers, about 16 s, for the slow leg) and tests/test_models.py
+mode with dropout and modifiers, about 16 s, for the slow leg), tests/test_models.py
 (``models``: the three models' forward and gradient against the unsharded model;
-``decoding``: their generation and the NNX module's KV cache against the unsharded ones);
-prints one JSON object.
+``decoding``: their generation and the NNX module's KV cache against the unsharded ones)
+and tests/test_bad_input.py (``refusals``: the messages of the calls named, which a kernel
+by name cannot take, for docs/errors.md); prints one JSON object.
 """
 
 from __future__ import annotations
@@ -395,11 +396,9 @@ def traced_block_masks(mesh) -> dict:
     return result
 
 
-def rows_past_first(mesh) -> dict:
-    """Queries of two batch axes [2, 2], the second sharded, with a block mask of per-row
-    packed documents (rows of the flattened batch, which the devices' shares would not
-    split into blocks): cpu_fused by name refuses, and the automatic rule's answer equals
-    the unsharded dense call's."""
+def _past_first():
+    """``(f, q)``: queries of two batch axes [2, 2] and ``f(q, implementation)``, attention
+    with a block mask of per-row packed documents (rows of the flattened batch)."""
     rng = np.random.default_rng(11)
     q = rng.normal(size=(2, 2, TS, H, D)).astype(np.float32)
     mod = jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.document(documents(rng)))
@@ -409,19 +408,72 @@ def rows_past_first(mesh) -> dict:
     def f(q, implementation):
         return jattn.dot_product_attention(q, q, q, block_mask=bm, implementation=implementation)
 
+    return f, q
+
+
+def rows_past_first(mesh) -> dict:
+    """:func:`_past_first`'s call with the second batch axis sharded (the devices' shares
+    would not split the mask's rows into blocks): cpu_fused by name refuses, and the
+    automatic rule's answer equals the unsharded dense call's."""
+    f, q = _past_first()
     want = f(q, "dense")
     CHOSEN.clear()
     with jax.set_mesh(mesh):
+        got = f(jax.device_put(q, NamedSharding(mesh, P(None, "b"))), None)
+    result = {"routes": sorted(set(CHOSEN)), "err": float(jnp.max(jnp.abs(got - want)))}
+    CHOSEN.clear()
+    return {**result, "refused": past_first_refused(mesh)}
+
+
+def past_first_refused(mesh) -> str:
+    """cpu_fused's refusal of :func:`rows_past_first`'s sharded call ("": it ran)."""
+    f, q = _past_first()
+    with jax.set_mesh(mesh):
         qs = jax.device_put(q, NamedSharding(mesh, P(None, "b")))
-        got = f(qs, None)
-        result = {"routes": sorted(set(CHOSEN)), "err": float(jnp.max(jnp.abs(got - want)))}
         try:
             f(qs, "cpu_fused")
-            result["refused"] = ""
         except ValueError as e:
-            result["refused"] = str(e)
-    CHOSEN.clear()
-    return result
+            return str(e)
+    return ""
+
+
+def placed_closure_refused(mesh) -> str:
+    """blockwise by name on batch-sharded queries with a mask_mod closing over an array
+    placed on the mesh (:func:`placed_modifiers` compares the automatic rule's answer)."""
+    keep = jax.device_put(jnp.arange(T) % 5 != 0, NamedSharding(mesh, P()))
+    q = np.random.default_rng(12).normal(size=(B, T, H, D)).astype(np.float32)
+
+    @jax.jit
+    def f(q):
+        mod = lambda b, h, qi, kv: keep[kv] & (kv <= qi)  # noqa: E731
+        return jattn.dot_product_attention(q, q, q, mask_mod=mod, implementation="blockwise")
+
+    with jax.set_mesh(mesh):
+        try:
+            f(jax.device_put(q, NamedSharding(mesh, P("b"))))
+        except ValueError as e:
+            return str(e)
+    return ""
+
+
+def refusals(mesh, *names: str) -> dict:
+    """``{case: message}``: the ValueError of each named call that a kernel by name cannot
+    run on explicitly sharded operands ("": it ran). tests/test_bad_input.py names the
+    cases and checks the excerpts docs/errors.md shows."""
+    arrays, heads = operands(), SPECS["heads"]
+    calls = {
+        "score_mod reads h": lambda: refused(mesh, heads, arrays, "cpu_fused", **REFUSED["score_mod"]),
+        "mask_mod reads h": lambda: refused(mesh, heads, arrays, "pallas", **REFUSED["mask_mod"]),
+        "block mask per head": lambda: refused(mesh, heads, arrays, "cpu_fused", **REFUSED["block_mask"]),
+        "tokens sharded": lambda: refused(mesh, P(None, "b"), arrays, "cpu_fused"),
+        "kv heads split": lambda: split_groups(mesh),
+        "rows past first": lambda: past_first_refused(mesh),
+        "placed closure": lambda: placed_closure_refused(mesh),
+    }  # fmt: skip
+    unknown = set(names) - set(calls)
+    if unknown:
+        raise ValueError(f"no refusal cases named {sorted(unknown)}")
+    return {name: calls[name]() for name in names}
 
 
 def split_groups(mesh) -> str:
@@ -731,6 +783,7 @@ def main() -> None:
         "per_device": per_device_section,
         "pallas_per_device": pallas_per_device,
         "placed_modifiers": placed_modifiers,
+        "refusals": refusals,
         "models": models_check,
         "decoding": decoding_check,
     }

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cli import load_train_toy
+from _fake_devices import run_checks
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -623,6 +624,46 @@ def test_bad_input_raises_a_clear_error(case):
 
 
 # ----------------------------------------------------------------------------------------
+# Operands sharded over a mesh's explicit axes (two fake devices, in a process of their own)
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedCase:
+    name: str  # the case's name in tests/_explicit_mesh_checks.py's refusals section
+    implementation: str  # the kernel asked for by name
+    bad: str  # what about the call the kernel cannot take
+    excerpt: str
+
+
+# Under jax.set_mesh of a mesh ('b',) of 2 devices, jax.make_mesh's default (explicit) axes,
+# dot_product_attention at T = 256 (GQA, 4 query heads over 2 kv heads) with operands
+# jax.device_put with a NamedSharding; every message also says to call the kernel inside
+# jax.shard_map, or to pass implementation=None.
+SHARDED_CASES = [
+    ShardedCase("score_mod reads h", "cpu_fused", "heads sharded, a score_mod reading its head index", "a score_mod that reads its batch or head index would see a device's own"),
+    ShardedCase("mask_mod reads h", "pallas", "heads sharded, a mask_mod reading its head index", "a mask_mod that reads its batch or head index would see a device's own"),
+    ShardedCase("block mask per head", "cpu_fused", "heads sharded, a block_mask built from a mask_mod reading its head index", "a mask_mod that reads its batch or head index"),
+    ShardedCase("tokens sharded", "cpu_fused", "the operands sharded along their tokens", "the queries are sharded along their tokens or features"),
+    ShardedCase("kv heads split", "cpu_fused", "6 query heads over 3 key/value heads, the heads over 2 devices", "3 key/value heads cannot follow the query heads over 2 devices"),
+    ShardedCase("rows past first", "cpu_fused", "batch [2, 2], the second axis sharded, a block_mask of per-row documents", "rows (flattened batch) would split across batch axes past the first"),
+    ShardedCase("placed closure", "blockwise", "a mask_mod closing over an array placed on the mesh", "close over an unplaced copy"),
+]  # fmt: skip
+
+
+def test_sharded_operands_a_kernel_cannot_take_are_refused_by_name():
+    names = [c.name for c in SHARDED_CASES]
+    messages = run_checks(Path(__file__).with_name("_explicit_mesh_checks.py"), "refusals", *names)
+    for case in SHARDED_CASES:
+        message = messages[case.name]
+        assert message.startswith(f"implementation='{case.implementation}' cannot be used here")
+        assert case.excerpt in message, (case.name, message)
+        assert "Use implementation=None" in message, (case.name, message)
+        if case.implementation != "blockwise":
+            assert "call it inside jax.shard_map" in message, (case.name, message)
+
+
+# ----------------------------------------------------------------------------------------
 # x64 on: float64 is accepted where it was refused above
 # ----------------------------------------------------------------------------------------
 
@@ -752,7 +793,8 @@ def render_errors_page() -> str:
         "the exception, and a piece of the message, which names the argument and the fix.",
         "Regenerate this page with `python tests/test_bad_input.py > docs/errors.md`.",
         "",
-        f"{len(CASES)} library cases and {len(FLAG_CASES)} `train_toy.py` flag cases.",
+        f"{len(CASES)} library cases, {len(FLAG_CASES)} `train_toy.py` flag cases and "
+        f"{len(SHARDED_CASES)} sharded-operand cases.",
         "",
         "## Library",
         "",
@@ -774,6 +816,24 @@ def render_errors_page() -> str:
         "| --- | --- | --- |",
     ]
     lines += [f"| `{_cell(c.bad)}` | {c.status} | {_cell(c.excerpt)} |" for c in FLAG_CASES]
+    lines += [
+        "",
+        "## Operands sharded over a mesh's explicit axes",
+        "",
+        "Under `jax.set_mesh` of a mesh with explicit axes (`jax.make_mesh`'s default), a",
+        "kernel without a partitioning rule runs on each device's rows and heads only when",
+        "that is the same call. Asked for by name where it is not, it raises `ValueError`",
+        "naming why and what to do instead (for the kernels: call them inside `jax.shard_map`",
+        "on each device's shard); the automatic rule (`implementation=None`) takes a path",
+        "that can. Checked on 2 fake CPU devices, mesh axis `'b'`, `dot_product_attention`",
+        "with 4 query heads over 2 key/value heads unless the row says otherwise.",
+        "",
+        "| implementation | call | message excerpt |",
+        "| --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{c.implementation}` | {_cell(c.bad)} | {_cell(c.excerpt)} |" for c in SHARDED_CASES
+    ]
     lines += [
         "",
         "## Not errors",
