@@ -643,7 +643,7 @@ class ShardedCase:
 SHARDED_CASES = [
     ShardedCase("score_mod reads h", "cpu_fused", "heads sharded, a score_mod reading its head index", "a score_mod that reads its batch or head index would see a device's own"),
     ShardedCase("mask_mod reads h", "pallas", "heads sharded, a mask_mod reading its head index", "a mask_mod that reads its batch or head index would see a device's own"),
-    ShardedCase("block mask per head", "cpu_fused", "heads sharded, a block_mask built from a mask_mod reading its head index", "a mask_mod that reads its batch or head index"),
+    ShardedCase("block mask per head", "cpu_fused", "heads sharded, a block_mask built from a mask_mod reading its head index", "would see a device's own (the mask_mod the block_mask was built from)"),
     ShardedCase("tokens sharded", "cpu_fused", "the operands sharded along their tokens", "the queries are sharded along their tokens or features"),
     ShardedCase("kv heads split", "cpu_fused", "6 query heads over 3 key/value heads, the heads over 2 devices", "3 key/value heads cannot follow the query heads over 2 devices"),
     ShardedCase("rows past first", "cpu_fused", "batch [2, 2], the second axis sharded, a block_mask of per-row documents", "rows (flattened batch) would split across batch axes past the first"),
