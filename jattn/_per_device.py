@@ -74,9 +74,9 @@ def _modifier_obstacle(ops: Operands, settings: Settings, batch: tuple) -> str |
     would split past its first batch axis."""
     for fn, kind in ((settings.score_mod, "score_mod"), (settings.mask_mod, "mask_mod")):
         reason = None if fn is None else _mod_reason(fn, kind, batch)
-        if reason is not None and ops.block_mask is not None and fn is ops.block_mask.mask_mod:
-            reason += " (the mask_mod the block_mask was built from)"
         if reason is not None:
+            if ops.block_mask is not None and fn is ops.block_mask.mask_mod:
+                reason += " (the mask_mod the block_mask was built from)"
             return reason
     if ops.block_mask is not None and ops.block_mask.state.shape[0] > 1 and _past_first(batch):
         return "the block mask's tiles per row (flattened batch) would split across batch axes past the first"

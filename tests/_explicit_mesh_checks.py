@@ -422,12 +422,12 @@ def rows_past_first(mesh) -> dict:
         got = f(jax.device_put(q, NamedSharding(mesh, P(None, "b"))), None)
     result = {"routes": sorted(set(CHOSEN)), "err": float(jnp.max(jnp.abs(got - want)))}
     CHOSEN.clear()
-    return {**result, "refused": past_first_refused(mesh)}
+    return {**result, "refused": past_first_refused(mesh, f, q)}
 
 
-def past_first_refused(mesh) -> str:
-    """cpu_fused's refusal of :func:`rows_past_first`'s sharded call ("": it ran)."""
-    f, q = _past_first()
+def past_first_refused(mesh, f, q) -> str:
+    """cpu_fused's refusal of :func:`_past_first`'s call ``f`` on ``q`` with the second
+    batch axis sharded ("": it ran)."""
     with jax.set_mesh(mesh):
         qs = jax.device_put(q, NamedSharding(mesh, P(None, "b")))
         try:
@@ -467,7 +467,7 @@ def refusals(mesh, *names: str) -> dict:
         "block mask per head": lambda: refused(mesh, heads, arrays, "cpu_fused", **REFUSED["block_mask"]),
         "tokens sharded": lambda: refused(mesh, P(None, "b"), arrays, "cpu_fused"),
         "kv heads split": lambda: split_groups(mesh),
-        "rows past first": lambda: past_first_refused(mesh),
+        "rows past first": lambda: past_first_refused(mesh, *_past_first()),
         "placed closure": lambda: placed_closure_refused(mesh),
     }  # fmt: skip
     unknown = set(names) - set(calls)
@@ -763,12 +763,7 @@ def placed_modifiers(mesh) -> dict:
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
     ]
     result["document without set_mesh"] = {"err": max(errs), "spec": spec_of(got[0])}
-    with jax.set_mesh(mesh):
-        try:
-            grads("closure", "blockwise", *on_mesh())
-            result["closure refused"] = ""
-        except ValueError as e:
-            result["closure refused"] = str(e)
+    result["closure refused"] = placed_closure_refused(mesh)
     arrays = operands()  # blockwise with dropout and ALiBi, sharded and not
     for name, spec in SPECS.items():
         result[f"options {name}"] = with_options(mesh, spec, arrays)
